@@ -1,0 +1,218 @@
+"""CheckFree and CheckFree+ recovery (spec/checkfree.md): what to rebuild from, and the rebuild math.
+
+Stages are numbered 0..s: stage 0 is the data stage holding the embedding E and the head E' (final norm,
+output projection, loss); stages 1..s hold transformer layers. A stage is *alive* when at least one online
+node serves it with trained weights (a node that is itself being rebuilt does not count). Nodes of stage 1
+may hold a copy of E and nodes of stage s a copy of E' (CheckFree+).
+
+`plan_recovery` / `plan_recoveries` decide how each stage is (re)built; `average_neighbours`,
+`copy_partner` and `restore_embeddings` compute the new weights. State dicts must be keyed by names
+relative to the stage (the k-th layer of every stage under the same names), so that neighbours match key
+by key; stages with different layouts cannot be averaged or copied and raise LocalProtocolError.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from protocols._tensormap import TensorMap, check_same_layout, first_non_finite, weighted_sum
+from protocols.errors import LocalProtocolError
+
+DEFAULT_LR_FACTOR = 1.1
+
+
+class Method(StrEnum):
+    """How a stage's weights are obtained."""
+
+    REPLICA = "replica"  # a live replica of the stage exists: ordinary state transfer
+    CHECKFREE = "checkfree"  # middle stage: gradient-norm weighted average of both neighbours
+    CHECKFREE_PLUS_COPY = "checkfree_plus_copy"  # stage 1 / stage s: copy of its swap partner
+    EMBEDDING_COPY = "embedding_copy"  # stage 0: E from stage 1's copy, E' from stage s's copy
+    REINIT = "reinit"  # nothing to rebuild from: fresh random weights
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The plan for one stage, as data for the daemon to act on.
+
+    `sources`: the stages to fetch from, in the order the method uses them (checkfree: (i-1, i+1);
+    checkfree_plus_copy: (partner,); embedding_copy: (holder of E, holder of E'); replica: (stage,);
+    reinit: ()). `reset_optimizer`: start Adam from zero moments and step 0. `lr_factor`: multiply the
+    learning rate by it after the rebuild. `reason`: one plain sentence for logs and `swarmnode status`.
+    """
+
+    stage: int
+    method: Method
+    sources: tuple[int, ...]
+    reset_optimizer: bool
+    lr_factor: float
+    reason: str
+
+
+def plan_recovery(
+    stage: int,
+    *,
+    num_stages: int,
+    alive: Collection[int],
+    checkfree_plus: bool,
+    embedding_copy_held: bool,
+    head_copy_held: bool,
+    lr_factor: float = DEFAULT_LR_FACTOR,
+) -> Recovery:
+    """How `stage` gets its weights, given which stages are alive.
+
+    `num_stages` is s, the number of transformer stages. `embedding_copy_held` / `head_copy_held`: a live
+    node of stage 1 holds a copy of E / of stage s holds a copy of E' (only counted while that stage is
+    alive). Rebuilt transformer stages reset the optimizer and scale the learning rate by `lr_factor`;
+    restored embeddings are exact copies, so they reset the optimizer (copies carry none) at lr factor 1;
+    reinitialised stages reset it at lr factor 1.
+    """
+    s, live = num_stages, set(alive)
+    _check_plan_args(num_stages, (stage, *live), lr_factor)
+
+    def plan(method: Method, sources: tuple[int, ...], reason: str) -> Recovery:
+        fresh = method is not Method.REPLICA
+        factor = lr_factor if method in (Method.CHECKFREE, Method.CHECKFREE_PLUS_COPY) else 1.0
+        return Recovery(stage, method, sources, fresh, float(factor), reason)
+
+    def reinit(why: str) -> Recovery:
+        return plan(Method.REINIT, (), f"stage {stage} cannot be rebuilt: {why}; re-initialising it")
+
+    if stage in live:
+        return plan(Method.REPLICA, (stage,), f"stage {stage} has a live replica: copy its state")
+
+    if stage == 0:
+        problems = []
+        for holder, part, held in ((1, "E", embedding_copy_held), (s, "E'", head_copy_held)):
+            if holder not in live:
+                problems.append(f"stage {holder}, which holds the copy of {part}, is lost too")
+            elif not held:
+                problems.append(f"no live node of stage {holder} holds a copy of {part}")
+        if problems:
+            return reinit(" and ".join(problems))
+        return plan(
+            Method.EMBEDDING_COPY,
+            (1, s),
+            f"stage 0 restored from the copy of E on stage 1 and the copy of E' on stage {s}",
+        )
+
+    if s == 1:
+        return reinit("it is the only transformer stage, so it has no neighbour to rebuild from")
+
+    if stage in (1, s):
+        partner = 2 if stage == 1 else s - 1
+        if not checkfree_plus:
+            return reinit("it is an edge stage and CheckFree+ is off (only CheckFree+ can rebuild it)")
+        if partner not in live:
+            return reinit(f"its swap partner, stage {partner}, is lost too (two adjacent stages lost)")
+        return plan(
+            Method.CHECKFREE_PLUS_COPY, (partner,), f"stage {stage} rebuilt as a copy of stage {partner}"
+        )
+
+    lost_neighbours = [k for k in (stage - 1, stage + 1) if k not in live]
+    if lost_neighbours:
+        lost = " and ".join(f"stage {k}" for k in lost_neighbours)
+        return reinit(f"its neighbour {lost} is lost too (adjacent stages lost)")
+    return plan(
+        Method.CHECKFREE,
+        (stage - 1, stage + 1),
+        f"stage {stage} rebuilt as the gradient-norm weighted average of stages {stage - 1} and {stage + 1}",
+    )
+
+
+def plan_recoveries(
+    *,
+    num_stages: int,
+    alive: Collection[int],
+    checkfree_plus: bool,
+    embedding_copy_held: bool,
+    head_copy_held: bool,
+    lr_factor: float = DEFAULT_LR_FACTOR,
+) -> dict[int, Recovery]:
+    """The plan for every lost stage (stages 0..s not in `alive`), keyed by stage, in stage order."""
+    live = set(alive)
+    _check_plan_args(num_stages, live, lr_factor)
+    plans = {}
+    for k in range(num_stages + 1):
+        if k not in live:
+            plans[k] = plan_recovery(
+                k,
+                num_stages=num_stages,
+                alive=live,
+                checkfree_plus=checkfree_plus,
+                embedding_copy_held=embedding_copy_held,
+                head_copy_held=head_copy_held,
+                lr_factor=lr_factor,
+            )
+    return plans
+
+
+def average_neighbours(
+    previous: TensorMap,
+    following: TensorMap,
+    previous_grad_norm: float | None,
+    following_grad_norm: float | None,
+) -> dict[str, Any]:
+    """CheckFree: W_i = (w_{i-1} W_{i-1} + w_{i+1} W_{i+1}) / (w_{i-1} + w_{i+1}), tensor by tensor.
+
+    The weights w are the neighbours' L2 gradient norms at their last optimizer step, measured BEFORE
+    clipping (the value `torch.nn.utils.clip_grad_norm_` returns): after clipping at 1.0 both saturate
+    at 1 while gradients are large and the weighting would degenerate to a plain average. A weight of 0
+    is allowed (the other neighbour is copied); if a norm is unknown (None) or both are 0 the result is
+    the plain average. Negative or non-finite norms, mismatched names or shapes and non-finite weights
+    raise LocalProtocolError.
+    """
+    for label, norm in (("previous", previous_grad_norm), ("following", following_grad_norm)):
+        if norm is None:
+            continue
+        number = isinstance(norm, int | float) and not isinstance(norm, bool)
+        if not number or not math.isfinite(norm) or norm < 0:
+            raise LocalProtocolError(f"{label} gradient norm must be finite and >= 0, got {norm!r}")
+    check_same_layout(previous, [("following stage", following)])
+    _check_finite(("previous stage", previous), ("following stage", following))
+    if (
+        previous_grad_norm is None
+        or following_grad_norm is None
+        or previous_grad_norm + following_grad_norm == 0
+    ):
+        weights = [0.5, 0.5]
+    else:
+        total = previous_grad_norm + following_grad_norm
+        weights = [previous_grad_norm / total, following_grad_norm / total]
+    return weighted_sum([previous, following], weights)
+
+
+def copy_partner(partner: TensorMap) -> dict[str, Any]:
+    """CheckFree+: stage 1 (stage s) becomes a copy of its swap partner stage 2 (stage s-1)."""
+    _check_finite(("swap partner", partner))
+    return dict(partner)
+
+
+def restore_embeddings(embedding_copy: TensorMap, head_copy: TensorMap) -> dict[str, Any]:
+    """CheckFree+: stage 0's state, exactly, from the copy of E (stage 1) and the copy of E' (stage s)."""
+    overlap = sorted(set(embedding_copy) & set(head_copy))
+    if overlap:
+        raise LocalProtocolError(f"the copies of E and E' both hold {overlap[:3]}")
+    _check_finite(("copy of E", embedding_copy), ("copy of E'", head_copy))
+    return {**embedding_copy, **head_copy}
+
+
+def _check_plan_args(num_stages: int, stages: Collection[int], lr_factor: float) -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise LocalProtocolError(f"num_stages must be a positive int, got {num_stages!r}")
+    if not isinstance(lr_factor, int | float) or not math.isfinite(lr_factor) or lr_factor <= 0:
+        raise LocalProtocolError(f"lr_factor must be a finite number > 0, got {lr_factor!r}")
+    for k in stages:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= num_stages:
+            raise LocalProtocolError(f"stage {k!r} is not in 0..{num_stages}")
+
+
+def _check_finite(*labelled: tuple[str, TensorMap]) -> None:
+    for label, tensors in labelled:
+        bad = first_non_finite(tensors)
+        if bad is not None:
+            raise LocalProtocolError(f"{label}: tensor {bad!r} holds NaN or infinity")

@@ -1,0 +1,340 @@
+"""Versioned msgpack wire schemas for everything a swarmnode daemon sends, sans-I/O.
+
+Every message is a frozen dataclass whose fields are checked on construction (LocalProtocolError on this
+side); `encode` turns it into a msgpack map `{"v": PROTOCOL_VERSION, "kind": ..., <fields>}` and `decode`
+checks bytes from a peer against the same rules, raising only RemoteProtocolError with a readable reason.
+Tensors never travel in msgpack: messages carry manifests (`TensorSpec`: name, shape, dtype) and the
+tensors themselves travel beside them, serialised by the transport, in manifest order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar, TypeVar
+
+import msgpack
+
+from protocols._schema import (
+    Schema,
+    checked,
+    choice,
+    count,
+    flag,
+    items,
+    nested,
+    number,
+    one_of,
+    optional,
+    show,
+    text,
+    to_wire,
+)
+from protocols.errors import LocalProtocolError, RemoteProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # control metadata only; tensors travel beside it
+MAX_RECORD_BYTES = 8192  # DHT records: hivemind's DHT failed with values near 60 KB
+MAX_TEXT = 1024  # longest string of any field
+MAX_ID = 128  # run ids and peer ids
+MAX_NAME = 256  # tensor names and addresses
+MAX_TENSORS = 16384  # entries of one manifest
+MAX_DIMS = 8
+MAX_ELEMENTS = 2**31  # per tensor
+MAX_PATH = 64  # hops of one microbatch path
+MAX_ADDRS = 16
+MAX_STAGE = 1024
+MAX_VISITS = 4096  # microbatches of one iteration planned through one node
+DTYPES = frozenset(
+    {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+)
+
+
+@dataclass(frozen=True)
+class TensorSpec(Schema):
+    """One tensor travelling beside a message: its name, shape and dtype (torch name without `torch.`)."""
+
+    name: str = field(metadata=checked(text(MAX_NAME, 1)))
+    shape: tuple[int, ...] = field(metadata=checked(items(count(MAX_ELEMENTS), MAX_DIMS)))
+    dtype: str = field(metadata=checked(one_of(DTYPES)))
+
+    def _check(self) -> None:
+        if self.numel > MAX_ELEMENTS:
+            raise LocalProtocolError(f"shape: {list(self.shape)} has more than {MAX_ELEMENTS} elements")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _manifest(value: object, name: str) -> tuple[TensorSpec, ...]:
+    specs = items(nested(TensorSpec), MAX_TENSORS)(value, name)
+    if len({spec.name for spec in specs}) != len(specs):
+        raise LocalProtocolError(f"{name}: repeated tensor names")
+    return specs
+
+
+def _same_layout(first: tuple[TensorSpec, ...], second: tuple[TensorSpec, ...]) -> bool:
+    return [(s.name, s.shape) for s in first] == [(s.name, s.shape) for s in second]
+
+
+class NodeState(StrEnum):
+    JOINING = "joining"
+    ONLINE = "online"
+    RECOVERING = "recovering"
+    LEAVING = "leaving"
+
+
+class StatePart(StrEnum):
+    """Parts of a node's state that a state transfer can carry."""
+
+    WEIGHTS = "weights"
+    OPTIMIZER = "optimizer"
+    EMBEDDING_COPY = "embedding_copy"  # stage 1's copy of E
+    HEAD_COPY = "head_copy"  # stage s's copy of E'
+
+
+class ErrorCode(StrEnum):
+    MALFORMED = "malformed"  # the request broke the protocol
+    WRONG_RUN = "wrong_run"  # another run id or protocol version
+    WRONG_STAGE = "wrong_stage"  # this node does not serve that stage
+    STALE = "stale"  # the iteration or outer step is over
+    BUSY = "busy"  # queue full: try another replica
+    INTERNAL = "internal"  # this node failed; the sender did nothing wrong
+
+
+_RUN = text(MAX_ID, 1)
+_STAGE = count(MAX_STAGE)
+_PARTS = items(choice(StatePart), len(StatePart), 1, unique=True)
+_COPIES = items(choice(StatePart, frozenset({StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY})), 2, unique=True)
+
+
+KINDS: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True)
+class Message(Schema):
+    """Base of every message; `KIND` names it on the wire and registers it in `KINDS`."""
+
+    KIND: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "KIND" in vars(cls):
+            KINDS[cls.KIND] = cls
+
+
+@dataclass(frozen=True)
+class _Hop(Message):
+    run_id: str = field(metadata=checked(_RUN))
+    iteration: int = field(metadata=checked(count()))
+    microbatch: int = field(metadata=checked(count()))
+    path: tuple[str, ...] = field(metadata=checked(items(text(MAX_ID, 1), MAX_PATH, 1)))
+    hop: int = field(metadata=checked(count(MAX_PATH - 1)))
+    stages: tuple[int, ...] = field(metadata=checked(items(_STAGE, MAX_PATH, 1)))
+    visits: tuple[int, ...] = field(default=(), metadata=checked(items(count(MAX_VISITS), MAX_PATH)))
+    tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+
+    def _check(self) -> None:
+        if self.hop >= len(self.path):
+            raise LocalProtocolError(f"hop: {self.hop} is past the end of a path of {len(self.path)} peers")
+        if len(self.stages) != len(self.path):
+            raise LocalProtocolError(
+                f"stages: {len(self.stages)} entries for a path of {len(self.path)} peers"
+            )
+        if self.visits and len(self.visits) != len(self.path):
+            raise LocalProtocolError(
+                f"visits: {len(self.visits)} entries for a path of {len(self.path)} peers"
+            )
+
+
+@dataclass(frozen=True)
+class Forward(_Hop):
+    """Activations of one microbatch, sent to `path[hop]`, which runs its layers and passes them on."""
+
+    KIND: ClassVar[str] = "forward"
+
+
+@dataclass(frozen=True)
+class Backward(_Hop):
+    """Gradients of one microbatch retracing `path` in reverse, sent to `path[hop]`."""
+
+    KIND: ClassVar[str] = "backward"
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """Give up one microbatch of one iteration (a hop failed or timed out); drop what it holds."""
+
+    KIND: ClassVar[str] = "abort"
+    run_id: str = field(metadata=checked(_RUN))
+    origin: str = field(metadata=checked(text(MAX_ID, 1)))
+    iteration: int = field(metadata=checked(count()))
+    microbatch: int = field(metadata=checked(count()))
+    reason: str = field(metadata=checked(text(MAX_TEXT)))
+
+
+@dataclass(frozen=True)
+class StateRequest(Message):
+    """Ask a live node of `stage` for parts of its state (a joining node or a CheckFree rebuild)."""
+
+    KIND: ClassVar[str] = "state_request"
+    run_id: str = field(metadata=checked(_RUN))
+    stage: int = field(metadata=checked(_STAGE))
+    parts: tuple[StatePart, ...] = field(metadata=checked(_PARTS))
+
+
+@dataclass(frozen=True)
+class StateTransfer(Message):
+    """Header of a state transfer; `tensors` lists what follows. `grad_norm` is measured before clipping."""
+
+    KIND: ClassVar[str] = "state_transfer"
+    run_id: str = field(metadata=checked(_RUN))
+    stage: int = field(metadata=checked(_STAGE))
+    parts: tuple[StatePart, ...] = field(metadata=checked(_PARTS))
+    step: int = field(metadata=checked(count()))
+    outer_step: int = field(metadata=checked(count()))
+    grad_norm: float | None = field(metadata=checked(optional(number(0.0))))
+    tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+
+
+@dataclass(frozen=True)
+class AveragingRequest(Message):
+    """NoLoCo: the initiator's phi and theta (same layout), sent in that order beside the message."""
+
+    KIND: ClassVar[str] = "averaging_request"
+    run_id: str = field(metadata=checked(_RUN))
+    stage: int = field(metadata=checked(_STAGE))
+    outer_step: int = field(metadata=checked(count()))
+    phi: tuple[TensorSpec, ...] = field(metadata=checked(_manifest))
+    theta: tuple[TensorSpec, ...] = field(metadata=checked(_manifest))
+
+    def _check(self) -> None:
+        if not self.phi or not _same_layout(self.phi, self.theta):
+            raise LocalProtocolError("phi and theta: expected the same non-empty list of names and shapes")
+
+
+@dataclass(frozen=True)
+class AveragingReply(Message):
+    """NoLoCo: the partner's answer; if accepted, its pre-step phi and theta follow, else nothing does."""
+
+    KIND: ClassVar[str] = "averaging_reply"
+    run_id: str = field(metadata=checked(_RUN))
+    stage: int = field(metadata=checked(_STAGE))
+    outer_step: int = field(metadata=checked(count()))
+    accept: bool = field(metadata=checked(flag))
+    reason: str = field(default="", metadata=checked(text(MAX_TEXT)))
+    phi: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+    theta: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+
+    def _check(self) -> None:
+        if self.accept and (not self.phi or not _same_layout(self.phi, self.theta)):
+            raise LocalProtocolError("phi and theta: an accepting reply needs the same non-empty layout")
+        if not self.accept and (self.phi or self.theta):
+            raise LocalProtocolError("phi and theta: a declining reply carries no tensors")
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """Success with nothing else to say."""
+
+    KIND: ClassVar[str] = "ack"
+    detail: str = field(default="", metadata=checked(text(MAX_TEXT)))
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    """A request was refused or failed; `reason` is for logs."""
+
+    KIND: ClassVar[str] = "error"
+    code: ErrorCode = field(metadata=checked(choice(ErrorCode)))
+    reason: str = field(default="", metadata=checked(text(MAX_TEXT)))
+
+
+@dataclass(frozen=True)
+class NodeRecord(Message):
+    """What a node publishes on the DHT under `{run}.stage.{k}`, subkey its peer id.
+
+    The protocol version travels in every encoding and `decode` rejects other versions. `loss` is set by
+    data nodes only; `grad_norm` (before clipping) feeds CheckFree; `copies` says which CheckFree+ copies
+    this node holds; `addrs` are its multiaddrs. Decode records with `max_bytes=MAX_RECORD_BYTES`.
+    """
+
+    KIND: ClassVar[str] = "node_record"
+    state: NodeState = field(metadata=checked(choice(NodeState)))
+    stage: int = field(metadata=checked(_STAGE))
+    step: int = field(metadata=checked(count()))
+    outer_step: int = field(metadata=checked(count()))
+    loss: float | None = field(default=None, metadata=checked(optional(number())))
+    grad_norm: float | None = field(default=None, metadata=checked(optional(number(0.0))))
+    throughput: float = field(default=0.0, metadata=checked(number(0.0)))
+    queue_depth: int = field(default=0, metadata=checked(count()))
+    copies: tuple[StatePart, ...] = field(default=(), metadata=checked(_COPIES))
+    addrs: tuple[str, ...] = field(default=(), metadata=checked(items(text(MAX_NAME, 1), MAX_ADDRS)))
+    microbatches_lost: int = field(default=0, metadata=checked(count()))
+    recovery: str | None = field(default=None, metadata=checked(optional(text(MAX_ID, 1))))
+    recovery_seconds: float | None = field(default=None, metadata=checked(optional(number(0.0))))
+
+
+M = TypeVar("M", bound=Message)
+
+
+def encode(message: Message) -> bytes:
+    """The msgpack bytes of a message. Raises LocalProtocolError for non-messages and oversized ones."""
+    kind = getattr(type(message), "KIND", None)
+    if KINDS.get(kind) is not type(message):
+        raise LocalProtocolError(f"cannot encode a {type(message).__name__}: not a protocol message")
+    data = msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, **to_wire(message)}, use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise LocalProtocolError(f"{kind} message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def decode(data: bytes, expected_type: type[M] | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> M:
+    """The message in `data` from a peer, checked against its schema.
+
+    Raises RemoteProtocolError (never anything else) for anything that is not exactly one well-formed
+    message of this protocol version (and of `expected_type`, if given) within `max_bytes`.
+    """
+    if expected_type is not None and KINDS.get(getattr(expected_type, "KIND", None)) is not expected_type:
+        raise LocalProtocolError(f"{expected_type!r} is not a protocol message type")
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise RemoteProtocolError(f"expected bytes, got {type(data).__name__}")
+    size = memoryview(data).nbytes
+    if size == 0:
+        raise RemoteProtocolError("empty message")
+    if size > max_bytes:
+        raise RemoteProtocolError(f"message of {size} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=False,
+            max_str_len=MAX_TEXT,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=MAX_TENSORS,
+            max_map_len=32,
+        )
+    except msgpack.ExtraData:
+        raise RemoteProtocolError("trailing bytes after the message") from None
+    except (ValueError, msgpack.UnpackException) as exc:  # incomplete, invalid, too deep, over a limit
+        raise RemoteProtocolError(f"malformed msgpack: {show(str(exc))}") from None
+    if not isinstance(obj, dict):
+        raise RemoteProtocolError(f"expected a map, got {type(obj).__name__}")
+    version, kind = obj.pop("v", None), obj.pop("kind", None)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise RemoteProtocolError(f"missing or invalid protocol version {show(version)}")
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(f"protocol version {version}, this node speaks {PROTOCOL_VERSION}")
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message kind {show(kind)}")
+    if expected_type is not None and cls is not expected_type:
+        raise RemoteProtocolError(f"expected a {expected_type.KIND} message, got {kind}")
+    try:
+        return nested(cls)(obj, kind)
+    except LocalProtocolError as exc:
+        raise RemoteProtocolError(exc.reason) from None

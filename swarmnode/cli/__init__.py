@@ -1,0 +1,18 @@
+"""The `swarmnode` console script: a thin click group over the runtime."""
+
+from __future__ import annotations
+
+import click
+
+from swarmnode import __version__
+from swarmnode.cli.train import train
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="swarmnode")
+def main() -> None:
+    """Train a language model on a swarm of unreliable machines: SkipPipe paths, NoLoCo averaging,
+    CheckFree recovery, on a hivemind DHT."""
+
+
+main.add_command(train)

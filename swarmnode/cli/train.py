@@ -1,0 +1,64 @@
+"""`swarmnode train`: the single-process reference trainer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from swarmnode.cli.options import load_corpus_or_fail, preset_or_fail, stages_or_fail
+from swarmnode.trainer import Progress, TrainConfig
+from swarmnode.trainer import train as run_training
+
+
+@click.command()
+@click.option("--preset", default="tiny", show_default=True, help="Model preset name.")
+@click.option(
+    "--stages", type=click.IntRange(min=1), default=None, help="Transformer stages (default: the preset's)."
+)
+@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option(
+    "--data", type=click.Path(path_type=Path), default=None, help="Text/JSONL/Parquet file or folder."
+)
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None, help="A tokenizer.json to use.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--eval-every", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+def train(
+    preset: str,
+    stages: int | None,
+    steps: int,
+    data: Path | None,
+    tokenizer: Path | None,
+    seed: int,
+    eval_every: int,
+    as_json: bool,
+) -> None:
+    """Train a preset in this one process, through the same stage pieces the daemons run."""
+    chosen = preset_or_fail(preset)
+    n_stages = stages_or_fail(chosen, stages)
+    corpus = load_corpus_or_fail(data, tokenizer, chosen.vocab_size)
+    config = TrainConfig(preset, n_stages, steps, data, tokenizer, seed, eval_every)
+
+    with click.progressbar(length=steps, label="training", file=sys.stderr, show_pos=True) as bar:
+
+        def on_progress(progress: Progress) -> None:
+            bar.update(1)
+            if progress.val_loss is not None:
+                bar.label = (
+                    f"loss {progress.loss:.3f} val {progress.val_loss:.3f} "
+                    f"tok/s {progress.tokens_per_second:.0f}"
+                )
+
+        result = run_training(config, on_progress, corpus=corpus)
+
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+    else:
+        click.echo(
+            f"{result.steps} steps: loss {result.initial_loss:.3f} -> {result.final_loss:.3f}, "
+            f"validation {result.initial_val_loss:.3f} -> {result.val_loss:.3f}, "
+            f"{result.tokens_per_second:.0f} tokens/s, {result.parameters:,} parameters"
+        )

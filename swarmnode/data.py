@@ -1,0 +1,188 @@
+"""Training data: a tokenised corpus with a held-out split, shards for data nodes, and batches.
+
+`load_corpus` resolves the source (the standard library by default, or `--data PATH`), the tokenizer (the
+user's `tokenizer.json`, or the default byte-level BPE trained on the source and cached) and the token ids.
+Ids are encoded once and cached beside the tokenizer as `tokens-{source}-{tokenizer digest}-{split}.npy`
+(uint16, or uint32 for vocabularies over 65536), built under a file lock and renamed into place, then
+memory-mapped, so daemons started together on one machine encode once and share the pages. An end-of-text
+token follows every document.
+
+The held-out split is by document (see `swarmnode.datasource`); a source with too few documents for that
+holds out the last `VAL_FRACTION` of its tokens instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from swarmnode.datasource import (
+    VAL_FRACTION,
+    DataError,
+    Document,
+    Source,
+    atomic_write,
+    cache_dir,
+    default_source,
+    file_lock,
+    is_validation,
+    user_source,
+)
+from swarmnode.tokenizer import DEFAULT_VOCAB_SIZE, cached_tokenizer, eos_id, file_digest, load_tokenizer
+
+__all__ = [
+    "DEFAULT_VOCAB_SIZE",
+    "Corpus",
+    "DataError",
+    "batches",
+    "encode_source",
+    "load_corpus",
+    "shard",
+    "val_batches",
+]
+
+_ENCODE_CHUNK = 64  # documents per encode_batch call: parallel enough, bounded memory
+Tokens = TypeVar("Tokens", np.ndarray, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A tokenised corpus: the tokenizer and the 1-D token ids of both splits (read-only numpy arrays)."""
+
+    tokenizer: Tokenizer
+    tokenizer_path: Path
+    tokenizer_digest: str
+    source_identity: str
+    eos_id: int
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary size, special tokens included (the model's embedding rows)."""
+        return self.tokenizer.get_vocab_size()
+
+
+def load_corpus(
+    data: str | os.PathLike[str] | Source | None = None,
+    tokenizer_path: str | os.PathLike[str] | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    *,
+    cache: Path | None = None,
+) -> Corpus:
+    """Load (building and caching on first use) the tokenised corpus.
+
+    `data`: a path for `--data`, a `Source`, or None for the standard library. `tokenizer_path`: a
+    `tokenizer.json`, or None to train a byte-level BPE of `vocab_size` on the source's training split.
+    `cache`: the cache folder, by default `$SWARMNODE_CACHE` or `~/.cache/swarmnode`.
+    Raises `DataError` for unusable data or tokenizer files.
+    """
+    if isinstance(data, Source):
+        source = data
+    else:
+        source = default_source() if data is None else user_source(Path(data))
+    cache = cache_dir() if cache is None else cache
+    path = cached_tokenizer(source, vocab_size, cache) if tokenizer_path is None else Path(tokenizer_path)
+    tokenizer = load_tokenizer(path)
+    digest = file_digest(path)
+    train, val = _cached_tokens(source, tokenizer, cache / f"tokens-{source.identity}-{digest}")
+    return Corpus(tokenizer, path, digest, source.identity, eos_id(tokenizer), train, val)
+
+
+def encode_source(source: Source, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Encode every document followed by end-of-text; return the (train, val) token ids."""
+    eos = eos_id(tokenizer)
+    dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
+    parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
+    # A literal "<|endoftext|>" inside a document is text, not a document boundary.
+    previous, tokenizer.encode_special_tokens = tokenizer.encode_special_tokens, True
+    try:
+        for chunk in _chunked(source.documents(), _ENCODE_CHUNK):
+            encodings = tokenizer.encode_batch([doc.text for doc in chunk], add_special_tokens=False)
+            for doc, encoding in zip(chunk, encodings, strict=True):
+                ids = np.empty(len(encoding.ids) + 1, dtype)
+                ids[:-1] = encoding.ids
+                ids[-1] = eos
+                parts[is_validation(doc.key)].append(ids)
+    finally:
+        tokenizer.encode_special_tokens = previous
+    if parts[False] and parts[True]:
+        return np.concatenate(parts[False]), np.concatenate(parts[True])
+    tokens = np.concatenate(parts[False] + parts[True]) if parts[False] or parts[True] else np.empty(0, dtype)
+    if len(tokens) < 2:
+        raise DataError(f"{source.root}: no text to train on")
+    n_val = max(1, round(len(tokens) * VAL_FRACTION))
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def shard(tokens: Tokens, index: int, count: int) -> Tokens:
+    """The `index`-th of `count` contiguous, disjoint blocks that together cover `tokens`."""
+    if count < 1:
+        raise ValueError(f"shard count must be at least 1, got {count}")
+    if not 0 <= index < count:
+        raise ValueError(f"shard index must be in [0, {count}), got {index}")
+    n = len(tokens)
+    return tokens[n * index // count : n * (index + 1) // count]
+
+
+def batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless random (inputs, targets) int64 batches of shape (batch_size, seq_len), targets shifted by one.
+
+    Window starts are drawn uniformly by a generator made from `seed` alone, so a seed fixes the stream.
+    """
+    high = _check_windows(tokens, batch_size, seq_len)
+    rng = np.random.default_rng(seed)
+    while True:
+        yield _windows(tokens, rng.integers(0, high, size=batch_size), seq_len)
+
+
+def val_batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, n_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n_batches` fixed (inputs, targets) batches, windows spread evenly over `tokens` (validation)."""
+    if n_batches < 1:
+        raise ValueError(f"n_batches must be at least 1, got {n_batches}")
+    high = _check_windows(tokens, batch_size, seq_len)
+    starts = np.linspace(0, high - 1, batch_size * n_batches).round().astype(np.int64)
+    return [_windows(tokens, row, seq_len) for row in starts.reshape(n_batches, batch_size)]
+
+
+def _check_windows(tokens: np.ndarray, batch_size: int, seq_len: int) -> int:
+    """Validate the batch shape; return the number of possible window starts."""
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+    if len(tokens) < seq_len + 1:
+        raise ValueError(f"need at least seq_len + 1 = {seq_len + 1} tokens, have {len(tokens)}")
+    return len(tokens) - seq_len
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.from_numpy(tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _cached_tokens(source: Source, tokenizer: Tokenizer, stem: Path) -> tuple[np.ndarray, np.ndarray]:
+    paths = (stem.with_name(stem.name + "-train.npy"), stem.with_name(stem.name + "-val.npy"))
+    if not all(path.is_file() for path in paths):
+        with file_lock(stem):
+            if not all(path.is_file() for path in paths):
+                for path, array in zip(paths, encode_source(source, tokenizer), strict=True):
+                    atomic_write(path, lambda handle, array=array: np.save(handle, array))
+    train, val = (np.load(path, mmap_mode="r") for path in paths)
+    return train, val
+
+
+def _chunked(documents: Iterable[Document], size: int) -> Iterator[list[Document]]:
+    iterator = iter(documents)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk

@@ -1,0 +1,147 @@
+"""The single-process reference trainer: the baseline every swarm figure is measured against.
+
+It runs each microbatch through the same stage pieces, in stage order, that the daemons run in separate
+processes (`swarmnode.pieces`), with the same per-stage optimizer (`swarmnode.optim`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from swarmnode.data import Corpus, batches, load_corpus, val_batches
+from swarmnode.optim import Schedule, StageOptimizer
+from swarmnode.pieces import DataPiece, build_piece
+from swarmnode.presets import Preset, get_preset
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What `swarmnode train` runs. `stages` counts transformer stages (the data stage always exists)."""
+
+    preset: str = "tiny"
+    stages: int | None = None
+    steps: int = 200
+    data: Path | None = None
+    tokenizer: Path | None = None
+    seed: int = 0
+    eval_every: int = 20
+    eval_batches: int = 4
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    loss: float
+    val_loss: float | None
+    tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    steps: int
+    initial_loss: float
+    final_loss: float
+    initial_val_loss: float
+    val_loss: float
+    tokens_per_second: float
+    seconds: float
+    parameters: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(self.__dict__)
+
+
+def evaluate(
+    data: DataPiece, stages: list[torch.nn.Module], fixed: list[tuple[torch.Tensor, torch.Tensor]]
+) -> float:
+    """Mean loss over fixed validation batches, without gradients."""
+    with torch.no_grad():
+        losses = []
+        for inputs, targets in fixed:
+            hidden = data.embed(inputs)
+            for stage in stages:
+                hidden = stage(hidden)
+            losses.append(float(data.loss(hidden, targets)))
+    return sum(losses) / len(losses)
+
+
+def train(
+    config: TrainConfig,
+    on_progress: Callable[[Progress], None] | None = None,
+    corpus: Corpus | None = None,
+) -> TrainResult:
+    """Train `config.preset` for `config.steps` steps in this process and return the figures.
+
+    One step is one swarm iteration: `preset.microbatches` microbatches whose gradients accumulate (each
+    weighted 1 / microbatches), then one optimizer step per stage.
+    """
+    preset: Preset = get_preset(config.preset)
+    n_stages = config.stages if config.stages is not None else preset.n_stages
+    corpus = corpus or load_corpus(config.data, config.tokenizer, preset.vocab_size)
+    model_config = replace(preset.model, vocab_size=corpus.vocab_size)
+    torch.manual_seed(config.seed)
+
+    pieces = [build_piece(model_config, k, n_stages, seed=config.seed) for k in range(n_stages + 1)]
+    data_piece = pieces[0]
+    stages = pieces[1:]
+    schedule = Schedule(preset.lr, preset.warmup_steps, config.steps)
+    optimizers = [StageOptimizer(piece, schedule) for piece in pieces]
+
+    fixed_val = list(val_batches(corpus.val_tokens, preset.batch_size, preset.seq_len, config.eval_batches))
+    initial_val = evaluate(data_piece, stages, fixed_val)
+    val_loss = initial_val
+    stream = batches(corpus.train_tokens, preset.batch_size, preset.seq_len, seed=config.seed)
+    tokens_per_step = preset.microbatches * preset.batch_size * preset.seq_len
+
+    losses: list[float] = []
+    compute_seconds = 0.0
+    started = time.perf_counter()
+    for step in range(config.steps):
+        tick = time.perf_counter()
+        step_loss = 0.0
+        for _ in range(preset.microbatches):
+            inputs, targets = next(stream)
+            hidden = data_piece.embed(inputs)
+            for stage in stages:
+                hidden = stage(hidden)
+            loss = data_piece.loss(hidden, targets)
+            (loss / preset.microbatches).backward()
+            step_loss += float(loss.detach()) / preset.microbatches
+        for optimizer in optimizers:
+            optimizer.step()
+        compute_seconds += time.perf_counter() - tick
+        losses.append(step_loss)
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss became {losses[-1]} at step {step}")
+
+        last = step == config.steps - 1
+        evaluated = (step + 1) % config.eval_every == 0 or last
+        if evaluated:
+            val_loss = evaluate(data_piece, stages, fixed_val)
+        if on_progress is not None:
+            on_progress(
+                Progress(
+                    step + 1,
+                    losses[-1],
+                    val_loss if evaluated else None,
+                    (step + 1) * tokens_per_step / compute_seconds,
+                )
+            )
+
+    tail = losses[-min(10, len(losses)) :]
+    return TrainResult(
+        steps=config.steps,
+        initial_loss=losses[0],
+        final_loss=sum(tail) / len(tail),
+        initial_val_loss=initial_val,
+        val_loss=val_loss,
+        tokens_per_second=config.steps * tokens_per_step / compute_seconds,
+        seconds=time.perf_counter() - started,
+        parameters=sum(p.numel() for piece in pieces for p in piece.parameters()),
+    )

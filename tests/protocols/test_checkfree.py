@@ -1,0 +1,244 @@
+"""CheckFree / CheckFree+: the rebuild math and the decision table."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from protocols.checkfree import (
+    DEFAULT_LR_FACTOR,
+    Method,
+    Recovery,
+    average_neighbours,
+    copy_partner,
+    plan_recoveries,
+    plan_recovery,
+    restore_embeddings,
+)
+from protocols.errors import LocalProtocolError
+
+
+def stage(value: float) -> dict[str, torch.Tensor]:
+    return {
+        "layers.0.attn.q.weight": torch.full((2, 3), value),
+        "layers.0.norm.weight": torch.full((3,), value),
+    }
+
+
+# ---- rebuild math -------------------------------------------------------------------------------------
+
+
+def test_weighted_average_matches_formula() -> None:
+    prev = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "b": torch.tensor([0.0, -2.0])}
+    nxt = {"w": torch.tensor([[5.0, 6.0], [7.0, 8.0]]), "b": torch.tensor([4.0, 2.0])}
+    rebuilt = average_neighbours(prev, nxt, 3.0, 1.0)
+    for name in prev:
+        torch.testing.assert_close(rebuilt[name], (3.0 * prev[name] + 1.0 * nxt[name]) / 4.0)
+    torch.testing.assert_close(rebuilt["w"], torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
+
+
+def test_weighted_average_on_numpy() -> None:
+    rebuilt = average_neighbours({"x": np.array([0.0, 10.0])}, {"x": np.array([10.0, 0.0])}, 1.0, 4.0)
+    np.testing.assert_allclose(rebuilt["x"], [8.0, 2.0])
+
+
+def test_larger_gradient_norm_gets_more_weight() -> None:
+    rebuilt = average_neighbours(stage(0.0), stage(1.0), 0.5, 2.5)
+    assert rebuilt["layers.0.norm.weight"][0].item() == pytest.approx(2.5 / 3.0)
+
+
+@pytest.mark.parametrize(("left", "right"), [(0.0, 0.0), (None, 2.0), (1.0, None), (None, None)])
+def test_unknown_or_zero_norms_give_plain_average(left: float | None, right: float | None) -> None:
+    rebuilt = average_neighbours(stage(1.0), stage(3.0), left, right)
+    assert all(torch.all(v == 2.0) for v in rebuilt.values())
+
+
+def test_one_zero_norm_copies_the_other() -> None:
+    rebuilt = average_neighbours(stage(1.0), stage(3.0), 0.0, 2.0)
+    assert all(torch.all(v == 3.0) for v in rebuilt.values())
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, True, "1"])
+def test_bad_norms_are_rejected(bad: object) -> None:
+    with pytest.raises(LocalProtocolError, match="gradient norm"):
+        average_neighbours(stage(1.0), stage(3.0), bad, 1.0)
+
+
+def test_mismatched_keys_and_shapes_are_rejected() -> None:
+    other = {"layers.0.attn.q.weight": torch.zeros(2, 3), "layers.1.norm.weight": torch.zeros(3)}
+    with pytest.raises(LocalProtocolError, match=r"missing 'layers\.0\.norm\.weight'"):
+        average_neighbours(stage(1.0), other, 1.0, 1.0)
+    wrong_shape = {**stage(1.0), "layers.0.norm.weight": torch.zeros(4)}
+    with pytest.raises(LocalProtocolError, match="shape"):
+        average_neighbours(stage(1.0), wrong_shape, 1.0, 1.0)
+
+
+def test_non_finite_sources_are_rejected() -> None:
+    poisoned = {**stage(1.0), "layers.0.norm.weight": torch.tensor([1.0, math.nan, 1.0])}
+    with pytest.raises(LocalProtocolError, match="NaN"):
+        average_neighbours(stage(1.0), poisoned, 1.0, 1.0)
+    with pytest.raises(LocalProtocolError, match="NaN"):
+        copy_partner(poisoned)
+
+
+def test_copy_partner_is_an_exact_copy() -> None:
+    source = stage(7.0)
+    copied = copy_partner(source)
+    assert copied == source and copied is not source
+
+
+def test_restore_embeddings_merges_exact_copies() -> None:
+    e = {"model.embed_tokens.weight": torch.randn(10, 4)}
+    e_prime = {"model.norm.weight": torch.ones(4), "lm_head.weight": torch.randn(10, 4)}
+    restored = restore_embeddings(e, e_prime)
+    assert set(restored) == {*e, *e_prime}
+    assert restored["model.embed_tokens.weight"] is e["model.embed_tokens.weight"]
+    with pytest.raises(LocalProtocolError, match="both hold"):
+        restore_embeddings(e, {**e_prime, **e})
+
+
+# ---- decision table -----------------------------------------------------------------------------------
+
+CF, CFP, EMB, RE, REP = (
+    Method.CHECKFREE,
+    Method.CHECKFREE_PLUS_COPY,
+    Method.EMBEDDING_COPY,
+    Method.REINIT,
+    Method.REPLICA,
+)
+
+
+def decide(s: int, lost: set[int], plus: bool = True, e_copy: bool = True, head_copy: bool = True) -> dict:
+    alive = set(range(s + 1)) - lost
+    plans = plan_recoveries(
+        num_stages=s, alive=alive, checkfree_plus=plus, embedding_copy_held=e_copy, head_copy_held=head_copy
+    )
+    assert set(plans) == lost
+    return {k: (p.method, p.sources) for k, p in plans.items()}
+
+
+@pytest.mark.parametrize(
+    ("s", "lost", "plus", "expected"),
+    [
+        # one middle stage: CheckFree from both neighbours, with or without CheckFree+
+        (4, {2}, True, {2: (CF, (1, 3))}),
+        (4, {3}, False, {3: (CF, (2, 4))}),
+        (3, {2}, False, {2: (CF, (1, 3))}),
+        # edge stages: copy of the swap partner with CheckFree+, nothing without it
+        (4, {1}, True, {1: (CFP, (2,))}),
+        (4, {4}, True, {4: (CFP, (3,))}),
+        (4, {1}, False, {1: (RE, ())}),
+        (4, {4}, False, {4: (RE, ())}),
+        (3, {1, 3}, True, {1: (CFP, (2,)), 3: (CFP, (2,))}),
+        # two adjacent stages lost: neither can be rebuilt
+        (4, {2, 3}, True, {2: (RE, ()), 3: (RE, ())}),
+        (4, {1, 2}, True, {1: (RE, ()), 2: (RE, ())}),
+        (4, {3, 4}, True, {3: (RE, ()), 4: (RE, ())}),
+        # non-adjacent losses are independent
+        (5, {2, 4}, True, {2: (CF, (1, 3)), 4: (CF, (3, 5))}),
+        # s = 2: stages 1 and 2 are each other's swap partner
+        (2, {1}, True, {1: (CFP, (2,))}),
+        (2, {2}, True, {2: (CFP, (1,))}),
+        (2, {1}, False, {1: (RE, ())}),
+        (2, {1, 2}, True, {1: (RE, ()), 2: (RE, ())}),
+        # s = 1: the only transformer stage has no neighbour
+        (1, {1}, True, {1: (RE, ())}),
+        # the data stage: from the copies of E on stage 1 and E' on stage s
+        (4, {0}, True, {0: (EMB, (1, 4))}),
+        (1, {0}, True, {0: (EMB, (1, 1))}),
+        (4, {0, 2}, True, {0: (EMB, (1, 4)), 2: (CF, (1, 3))}),
+        (4, {0, 1}, True, {0: (RE, ()), 1: (CFP, (2,))}),  # the copy of E died with stage 1
+        (4, {0, 4}, True, {0: (RE, ()), 4: (CFP, (3,))}),
+        (1, {0, 1}, True, {0: (RE, ()), 1: (RE, ())}),
+        # nothing lost, nothing to do
+        (3, set(), True, {}),
+    ],
+)
+def test_decision_table(s: int, lost: set[int], plus: bool, expected: dict) -> None:
+    assert decide(s, lost, plus) == expected
+
+
+def test_missing_copies_mean_reinit_of_the_data_stage() -> None:
+    assert decide(3, {0}, e_copy=False) == {0: (RE, ())}
+    assert decide(3, {0}, head_copy=False) == {0: (RE, ())}
+    reason = plan_recoveries(
+        num_stages=3, alive={2, 3}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=False
+    )[0].reason
+    assert "stage 1, which holds the copy of E, is lost too" in reason
+    assert "no live node of stage 3 holds a copy of E'" in reason
+
+
+def test_plans_carry_the_optimizer_rule() -> None:
+    plans = plan_recoveries(
+        num_stages=5, alive={0, 2, 3, 5}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=True
+    )
+    assert plans[1] == Recovery(1, CFP, (2,), True, DEFAULT_LR_FACTOR, plans[1].reason)
+    assert plans[4].method is CF and plans[4].reset_optimizer and plans[4].lr_factor == 1.1
+    restored = plan_recovery(
+        0, num_stages=2, alive={1, 2}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=True
+    )
+    assert restored.reset_optimizer and restored.lr_factor == 1.0
+    custom = plan_recovery(
+        2,
+        num_stages=3,
+        alive={1, 3},
+        checkfree_plus=False,
+        embedding_copy_held=False,
+        head_copy_held=False,
+        lr_factor=1.2,
+    )
+    assert custom.lr_factor == 1.2
+
+
+def test_joining_a_live_stage_is_a_replica_transfer() -> None:
+    plan = plan_recovery(
+        2,
+        num_stages=3,
+        alive={0, 1, 2, 3},
+        checkfree_plus=False,
+        embedding_copy_held=False,
+        head_copy_held=False,
+    )
+    assert (plan.method, plan.sources, plan.reset_optimizer, plan.lr_factor) == (REP, (2,), False, 1.0)
+
+
+def test_reasons_are_plain() -> None:
+    plans = plan_recoveries(
+        num_stages=4, alive={0, 1, 4}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=True
+    )
+    assert plans[2].reason == (
+        "stage 2 cannot be rebuilt: its neighbour stage 3 is lost too (adjacent stages lost); "
+        "re-initialising it"
+    )
+    edge = plan_recovery(
+        1, num_stages=4, alive={0, 2}, checkfree_plus=False, embedding_copy_held=True, head_copy_held=True
+    )
+    assert "CheckFree+ is off" in edge.reason
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"num_stages": 0}, {"alive": {5}}, {"alive": {-1}}, {"lr_factor": 0.0}, {"lr_factor": math.nan}],
+)
+def test_bad_arguments_are_rejected(kwargs: dict) -> None:
+    args = {
+        "num_stages": 3,
+        "alive": {0, 1},
+        "checkfree_plus": True,
+        "embedding_copy_held": True,
+        "head_copy_held": True,
+    }
+    with pytest.raises(LocalProtocolError):
+        plan_recoveries(**{**args, **kwargs})
+    with pytest.raises(LocalProtocolError):
+        plan_recovery(2, **{**args, **kwargs})
+
+
+def test_stage_out_of_range_is_rejected() -> None:
+    with pytest.raises(LocalProtocolError):
+        plan_recovery(
+            4, num_stages=3, alive={0}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=True
+        )

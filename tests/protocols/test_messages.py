@@ -1,0 +1,301 @@
+"""Wire schemas: round trips, and every kind of bad input rejected with RemoteProtocolError only."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields, replace
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.messages import (
+    KINDS,
+    MAX_RECORD_BYTES,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    AveragingReply,
+    AveragingRequest,
+    Backward,
+    Error,
+    ErrorCode,
+    Forward,
+    NodeRecord,
+    NodeState,
+    StatePart,
+    StateRequest,
+    StateTransfer,
+    TensorSpec,
+    decode,
+    encode,
+)
+
+HIDDEN = TensorSpec("hidden", (4, 128, 64), "bfloat16")
+PHI = (TensorSpec("layers.0.w", (64, 64), "float32"), TensorSpec("layers.0.b", (64,), "float32"))
+THETA = tuple(replace(spec, dtype="float16") for spec in PHI)
+PATH = ("12D3KooWA", "12D3KooWB", "12D3KooWC")
+
+EXAMPLES = [
+    Forward("run-1", 7, 3, PATH, 1, (0, 1, 2), (2, 1, 1), (HIDDEN, TensorSpec("positions", (128,), "int64"))),
+    Backward("run-1", 7, 3, PATH, 2, (0, 1, 2), tensors=(HIDDEN,)),
+    Abort("run-1", "12D3KooWA", 7, 3, "hop 2 timed out after 30 s"),
+    StateRequest("run-1", 2, (StatePart.WEIGHTS, StatePart.OPTIMIZER)),
+    StateTransfer("run-1", 1, (StatePart.WEIGHTS, StatePart.EMBEDDING_COPY), 1200, 24, 0.83, PHI),
+    StateTransfer("run-1", 3, (StatePart.WEIGHTS,), 0, 0, None, ()),
+    AveragingRequest("run-1", 2, 24, PHI, THETA),
+    AveragingReply("run-1", 2, 24, True, "", PHI, THETA),
+    AveragingReply("run-1", 2, 24, False, "not this node's partner"),
+    Ack(),
+    Ack("stored"),
+    Error(ErrorCode.BUSY, "queue full"),
+    NodeRecord(
+        NodeState.ONLINE,
+        0,
+        1200,
+        24,
+        loss=3.25,
+        throughput=12.5,
+        queue_depth=2,
+        addrs=("/ip4/127.0.0.1/tcp/1",),
+    ),
+    NodeRecord(NodeState.JOINING, 4, 0, 0, grad_norm=1.7, copies=(StatePart.HEAD_COPY,)),
+]
+
+
+def wire(message: object) -> dict:
+    return msgpack.unpackb(encode(message), raw=False)
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: object) -> None:
+    data = encode(message)
+    assert decode(data) == message
+    assert decode(data, expected_type=type(message)) == message
+    assert decode(bytearray(data)) == message
+
+
+def test_every_kind_is_covered_and_versioned() -> None:
+    assert {type(m) for m in EXAMPLES} == set(KINDS.values())
+    assert all(wire(m)["v"] == PROTOCOL_VERSION and wire(m)["kind"] == m.KIND for m in EXAMPLES)
+
+
+def test_records_fit_the_dht() -> None:
+    biggest = NodeRecord(
+        NodeState.RECOVERING,
+        1024,
+        2**63 - 1,
+        2**63 - 1,
+        -1.5,
+        1e300,
+        1e300,
+        2**63 - 1,
+        (StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY),
+        tuple("/ip4/127.0.0.1/tcp/1/p2p/" + "x" * 230 for _ in range(16)),
+    )
+    assert decode(encode(biggest), NodeRecord, max_bytes=MAX_RECORD_BYTES) == biggest
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_truncation_is_rejected(message: object) -> None:
+    data = encode(message)
+    for end in range(len(data)):
+        with pytest.raises(RemoteProtocolError):
+            decode(data[:end])
+
+
+def test_trailing_bytes_are_rejected() -> None:
+    with pytest.raises(RemoteProtocolError, match="trailing"):
+        decode(encode(Ack()) + b"\x00")
+
+
+def test_oversized_is_rejected() -> None:
+    data = encode(EXAMPLES[0])
+    with pytest.raises(RemoteProtocolError, match="exceeds"):
+        decode(data, max_bytes=len(data) - 1)
+    with pytest.raises(RemoteProtocolError):
+        decode(pack({"v": 1, "kind": "ack", "detail": "x" * 5000}))
+
+
+def test_wrong_expected_type_is_rejected() -> None:
+    with pytest.raises(RemoteProtocolError, match="expected a backward message, got forward"):
+        decode(encode(EXAMPLES[0]), expected_type=Backward)
+
+
+def test_wrong_version_is_rejected() -> None:
+    body = wire(Ack())
+    with pytest.raises(RemoteProtocolError, match="protocol version 2"):
+        decode(pack({**body, "v": PROTOCOL_VERSION + 1}))
+    for bad in (None, "1", True, 1.0):
+        with pytest.raises(RemoteProtocolError, match="version"):
+            decode(pack({**body, "v": bad}))
+
+
+def test_unknown_kind_is_rejected() -> None:
+    with pytest.raises(RemoteProtocolError, match="unknown message kind 'gossip'"):
+        decode(pack({"v": PROTOCOL_VERSION, "kind": "gossip"}))
+    with pytest.raises(RemoteProtocolError, match="unknown"):
+        decode(pack({"v": PROTOCOL_VERSION}))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        [1, "ack", ""],
+        "ack",
+        None,
+        {"v": 1, "kind": "ack"},  # missing field
+        {"v": 1, "kind": "ack", "detail": "", "extra": 1},  # unexpected field
+        {"v": 1, "kind": "ack", 5: ""},  # non-string key
+    ],
+)
+def test_malformed_structure_is_rejected(payload: object) -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode(pack(payload))
+
+
+def mutate(message: object, **changes: object) -> bytes:
+    return pack({**wire(message), **changes})
+
+
+FORWARD, TRANSFER, RECORD = EXAMPLES[0], EXAMPLES[4], EXAMPLES[12]
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (mutate(FORWARD, iteration="7"), "iteration: expected an int"),
+        (mutate(FORWARD, iteration=-1), "iteration"),
+        (mutate(FORWARD, iteration=True), "iteration"),
+        (mutate(FORWARD, microbatch=2**64 - 1), "microbatch"),
+        (mutate(FORWARD, hop=3), "past the end"),
+        (mutate(FORWARD, path=[]), "path"),
+        (mutate(FORWARD, path=["a", ""]), r"path\[1\]"),
+        (mutate(FORWARD, run_id="run\n1"), "run_id"),
+        (mutate(FORWARD, tensors={"name": "h"}), "tensors"),
+        (mutate(FORWARD, tensors=[{"name": "h", "shape": [1] * 9, "dtype": "float32"}]), "shape"),
+        (mutate(FORWARD, tensors=[{"name": "h", "shape": [2**16, 2**16], "dtype": "float32"}]), "elements"),
+        (mutate(FORWARD, tensors=[{"name": "h", "shape": [-1], "dtype": "float32"}]), "shape"),
+        (mutate(FORWARD, tensors=[{"name": "h", "shape": [2], "dtype": "object"}]), "dtype"),
+        (mutate(FORWARD, tensors=[{"name": "h", "shape": [2]}]), r"tensors\[0\]"),
+        (mutate(FORWARD, tensors=[{"name": "h", "shape": [2], "dtype": "bool"}] * 2), "repeated"),
+        (mutate(RECORD, loss=math.nan), "loss: expected a finite number"),
+        (mutate(RECORD, loss=math.inf), "loss"),
+        (mutate(RECORD, grad_norm=-0.5), "grad_norm"),
+        (mutate(RECORD, throughput=-1.0), "throughput"),
+        (mutate(RECORD, queue_depth=-3), "queue_depth"),
+        (mutate(RECORD, state="dead"), "state"),
+        (mutate(RECORD, stage=5000), "stage"),
+        (mutate(RECORD, copies=["weights"]), "copies"),
+        (mutate(TRANSFER, grad_norm=math.nan), "grad_norm"),
+        (mutate(TRANSFER, parts=[]), "parts"),
+        (mutate(TRANSFER, parts=["weights", "weights"]), "repeated"),
+        (mutate(EXAMPLES[6], theta=wire(EXAMPLES[6])["theta"][:1]), "same non-empty"),
+        (mutate(EXAMPLES[8], phi=wire(EXAMPLES[6])["phi"]), "declining reply carries no tensors"),
+        (mutate(EXAMPLES[11], code="teapot"), "code"),
+    ],
+)
+def test_bad_fields_are_rejected_with_a_reason(data: bytes, words: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=words):
+        decode(data)
+
+
+def test_nan_bytes_are_rejected() -> None:
+    data = encode(replace(RECORD, loss=1.0))
+    nan = msgpack.packb(math.nan)
+    patched = data.replace(msgpack.packb(1.0), nan)
+    assert patched != data
+    with pytest.raises(RemoteProtocolError, match="loss"):
+        decode(patched)
+
+
+def test_local_construction_is_checked() -> None:
+    with pytest.raises(LocalProtocolError, match="hop"):
+        Forward("run", 0, 0, ("a",), 1, (0,))
+    with pytest.raises(LocalProtocolError, match="stages"):
+        Forward("run", 0, 0, ("a", "b"), 1, (0,))
+    with pytest.raises(LocalProtocolError, match="visits"):
+        Forward("run", 0, 0, ("a", "b"), 1, (0, 1), (1,))
+    with pytest.raises(LocalProtocolError, match="loss"):
+        NodeRecord(NodeState.ONLINE, 1, 0, 0, loss=math.inf)
+    with pytest.raises(LocalProtocolError, match="elements"):
+        TensorSpec("x", (2**31, 2), "float32")
+    with pytest.raises(LocalProtocolError, match="not a protocol message"):
+        encode(HIDDEN)
+    with pytest.raises(LocalProtocolError):
+        decode(encode(Ack()), expected_type=TensorSpec)
+    with pytest.raises(LocalProtocolError, match="exceeds"):
+        encode(
+            StateTransfer(
+                "run",
+                1,
+                ("weights",),
+                0,
+                0,
+                None,
+                [TensorSpec(f"{i:0200d}", (1,), "bool") for i in range(9000)],
+            )
+        )
+
+
+def test_enums_and_lists_are_normalised() -> None:
+    record = NodeRecord("online", 1, 0, 0, throughput=3, copies=["embedding_copy"], addrs=["/ip4/1.2.3.4"])
+    assert (
+        record.state is NodeState.ONLINE and record.throughput == 3.0 and isinstance(record.throughput, float)
+    )
+    assert record.copies == (StatePart.EMBEDDING_COPY,) and record.addrs == ("/ip4/1.2.3.4",)
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def only_remote_errors(data: bytes) -> None:
+    try:
+        decode(data)
+    except RemoteProtocolError as exc:
+        assert exc.reason
+
+
+@FUZZ
+@given(st.binary(max_size=256))
+def test_random_bytes_only_raise_remote_errors(data: bytes) -> None:
+    only_remote_errors(data)
+
+
+@FUZZ
+@given(st.sampled_from([encode(m) for m in EXAMPLES]), st.data())
+def test_mutated_messages_only_raise_remote_errors(data: bytes, draw: st.DataObject) -> None:
+    position = draw.draw(st.integers(0, len(data) - 1))
+    replacement = draw.draw(st.binary(min_size=0, max_size=4))
+    only_remote_errors(data[:position] + replacement + data[position + 1 :])
+
+
+values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(["name", "shape", "dtype", "x"]), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@FUZZ
+@given(st.sampled_from(sorted(KINDS)), st.data())
+def test_well_formed_maps_with_random_values_only_raise_remote_errors(kind: str, draw: st.DataObject) -> None:
+    names = [f.name for f in fields(KINDS[kind])]
+    body = {name: draw.draw(values, label=name) for name in names}
+    only_remote_errors(pack({"v": PROTOCOL_VERSION, "kind": kind, **body}))
