@@ -135,6 +135,7 @@ class _Hop(Message):
     stages: tuple[int, ...] = field(metadata=checked(items(_STAGE, MAX_PATH, 1)))
     visits: tuple[int, ...] = field(default=(), metadata=checked(items(count(MAX_VISITS), MAX_PATH)))
     tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+    evaluate: bool = field(default=False, metadata=checked(flag))
 
     def _check(self) -> None:
         if self.hop >= len(self.path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from swarmnode import __version__
+from swarmnode.cli.swarm import bootstrap, join, status
 from swarmnode.cli.train import train
 
 
@@ -15,4 +16,5 @@ def main() -> None:
     CheckFree recovery, on a hivemind DHT."""
 
 
-main.add_command(train)
+for command in (train, bootstrap, join, status):
+    main.add_command(command)

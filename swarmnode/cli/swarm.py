@@ -1,0 +1,215 @@
+"""`swarmnode bootstrap`, `swarmnode join` and `swarmnode status`: the swarm's daemons and its view."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import click
+
+from swarmnode.data import DataError, load_corpus
+from swarmnode.dht import read_initial_peers
+from swarmnode.runspec import RunSpec, RunSpecError
+
+PEERS_HELP = "Multiaddrs (comma separated) or a file with one per line; also $SWARMNODE_INITIAL_PEERS."
+
+
+def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # uvloop is a dependency; this only guards unusual platforms
+        return asyncio.run(coro)
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not verbose:
+        logging.getLogger("hivemind").setLevel(logging.ERROR)
+
+
+def _peers_or_fail(value: str | None) -> list[str]:
+    try:
+        peers = read_initial_peers(value)
+    except (FileNotFoundError, OSError) as error:
+        raise click.BadParameter(str(error), param_hint="--initial-peers") from None
+    if not peers:
+        raise click.BadParameter("no initial peers given", param_hint="--initial-peers")
+    return peers
+
+
+@click.command()
+@click.option("--preset", default=None, help="Model preset (default: tiny, or the run file's).")
+@click.option(
+    "--run", "run_file", type=click.Path(path_type=Path), default=None, help="A run definition JSON."
+)
+@click.option("--stages", type=click.IntRange(min=1), default=None, help="Transformer stages (ids 0..S).")
+@click.option("--run-id", default=None, help="Name of the run on the DHT.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps of each data node.")
+@click.option("--microbatches", type=click.IntRange(min=1), default=None, help="Microbatches per iteration.")
+@click.option("--data", default=None, help="Data path every data node reads (default: the stdlib corpus).")
+@click.option("--seed", type=int, default=None)
+@click.option("--checkfree-plus/--no-checkfree-plus", default=None, help="Swap edge stages for CheckFree+.")
+@click.option("--skip-ratio", type=click.FloatRange(0.0, 1.0, max_open=True), default=None)
+@click.option("--noloco-every", type=click.IntRange(min=1), default=None, help="NoLoCo inner steps H.")
+@click.option("--compression", type=click.Choice(["none", "float16"]), default=None)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True)
+@click.option("--public", is_flag=True, help="Opt in to NAT port mapping (real deployments only).")
+@click.option(
+    "--peers-file", type=click.Path(path_type=Path), default=None, help="Write the multiaddrs here."
+)
+@click.option("-v", "--verbose", is_flag=True)
+def bootstrap(
+    preset: str | None,
+    run_file: Path | None,
+    stages: int | None,
+    run_id: str | None,
+    steps: int | None,
+    microbatches: int | None,
+    data: str | None,
+    seed: int | None,
+    checkfree_plus: bool | None,
+    skip_ratio: float | None,
+    noloco_every: int | None,
+    compression: str | None,
+    host: str,
+    port: int,
+    public: bool,
+    peers_file: Path | None,
+    verbose: bool,
+) -> None:
+    """Run the swarm's entry peer: publish the run definition and print the multiaddrs to join."""
+    from swarmnode.node.bootstrap import run_bootstrap
+
+    _logging(verbose)
+    if preset is not None and run_file is not None:
+        raise click.UsageError("give either --preset or --run, not both")
+    try:
+        base = RunSpec.from_file(run_file) if run_file is not None else RunSpec.for_preset(preset or "tiny")
+        spec = base.with_overrides(
+            run_id=run_id,
+            stages=stages,
+            total_steps=steps,
+            microbatches=microbatches,
+            data=data,
+            seed=seed,
+            checkfree_plus=checkfree_plus,
+            skip_ratio=skip_ratio,
+            noloco_inner_steps=noloco_every,
+            compression=compression,
+        )
+        corpus = load_corpus(spec.data, None, spec.vocab_size)
+    except (RunSpecError, ValueError, DataError) as error:
+        raise click.UsageError(str(error.args[0] if error.args else error)) from None
+    spec = spec.with_overrides(vocab_size=corpus.vocab_size)
+    raise SystemExit(_run_async(run_bootstrap(spec, host, port, public, peers_file)))
+
+
+def _stage(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        stage = int(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is neither a stage number nor 'auto'", param_hint="--stage"
+        ) from None
+    if stage < 0:
+        raise click.BadParameter("stage numbers start at 0 (the data stage)", param_hint="--stage")
+    return stage
+
+
+def _shard(value: str | None) -> tuple[int, int]:
+    if value is None:
+        return 0, 1
+    try:
+        index, count = (int(part) for part in value.split("/"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not I/K", param_hint="--shard") from None
+    if not 0 <= index < count:
+        raise click.BadParameter(f"shard {index} of {count} does not exist", param_hint="--shard")
+    return index, count
+
+
+@click.command()
+@click.option("--stage", required=True, help="Stage to serve: 0 (data), 1..S, or 'auto'.")
+@click.option("--initial-peers", envvar="SWARMNODE_INITIAL_PEERS", default=None, help=PEERS_HELP)
+@click.option("--run-id", default="swarm", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True)
+@click.option("--public", is_flag=True, help="Opt in to NAT port mapping (real deployments only).")
+@click.option("--no-direct", is_flag=True, help="Send tensors through p2pd only (no direct TCP path).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch threads for this node.")
+@click.option("--shard", default=None, help="Data nodes: the shard I/K of the training data to read.")
+@click.option(
+    "--tokenizer", type=click.Path(path_type=Path), default=None, help="Data nodes: a tokenizer.json."
+)
+@click.option("-v", "--verbose", is_flag=True)
+def join(
+    stage: str,
+    initial_peers: str | None,
+    run_id: str,
+    host: str,
+    port: int,
+    public: bool,
+    no_direct: bool,
+    threads: int | None,
+    shard: str | None,
+    tokenizer: Path | None,
+    verbose: bool,
+) -> None:
+    """Run one daemon serving a stage of the run the initial peers belong to."""
+    from swarmnode.node.run import JoinOptions, run_join
+
+    _logging(verbose)
+    stage_id = _stage(stage)
+    shard_index, shard_count = _shard(shard)
+    options = JoinOptions(
+        run_id=run_id,
+        stage=stage_id,
+        initial_peers=tuple(_peers_or_fail(initial_peers)),
+        host=host,
+        port=port,
+        public=public,
+        direct=not no_direct,
+        threads=threads,
+        shard_index=shard_index,
+        shard_count=shard_count,
+        tokenizer=tokenizer,
+    )
+    try:
+        code = _run_async(run_join(options))
+    except (ValueError, DataError) as error:
+        raise click.UsageError(str(error)) from None
+    raise SystemExit(code)
+
+
+@click.command()
+@click.option("--initial-peers", envvar="SWARMNODE_INITIAL_PEERS", default=None, help=PEERS_HELP)
+@click.option("--run-id", default="swarm", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--watch", is_flag=True, help="Refresh every 2 seconds until interrupted.")
+def status(initial_peers: str | None, run_id: str, as_json: bool, watch: bool) -> None:
+    """Show the swarm: stages, their peers and states, steps, loss, throughput (read from the DHT only)."""
+    from swarmnode.status import SwarmObserver, format_table
+
+    observer = SwarmObserver(_peers_or_fail(initial_peers), run_id)
+    try:
+        while True:
+            summary = observer.snapshot()
+            click.echo(json.dumps(summary) if as_json else format_table(summary))
+            if not watch:
+                break
+            time.sleep(2.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        observer.close()

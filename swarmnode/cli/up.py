@@ -1,0 +1,166 @@
+"""`swarmnode up`: a whole local swarm on loopback, with failure injection, progress and a report."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from swarmnode.cli.options import preset_or_fail, stages_or_fail
+from swarmnode.launcher import FAIL_RATE_UNIT, LocalSwarm, Outcome, StageKill, SwarmConfig, parse_stage_kill
+
+
+class StageKillParam(click.ParamType):
+    """A `STAGE@STEP` value."""
+
+    name = "STAGE@STEP"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> StageKill:
+        if isinstance(value, StageKill):
+            return value
+        try:
+            return parse_stage_kill(str(value))
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+@click.command()
+@click.option("--preset", default="tiny", show_default=True, help="Model preset name.")
+@click.option(
+    "--stages", type=click.IntRange(min=1), default=None, help="Transformer stages (default: the preset's)."
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Nodes per transformer stage.",
+)
+@click.option(
+    "--data-nodes",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Nodes of the data stage 0.",
+)
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Training steps of the run."
+)
+@click.option(
+    "--fail-rate",
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    default=0.0,
+    show_default=True,
+    help=f"Random failures: the {FAIL_RATE_UNIT}; each failure kills one random node of that stage.",
+)
+@click.option(
+    "--kill",
+    "kills",
+    type=StageKillParam(),
+    multiple=True,
+    help="Kill every node of STAGE when the data nodes reach STEP (repeatable; stage 0 = the data nodes).",
+)
+@click.option(
+    "--checkfree-plus/--no-checkfree-plus",
+    default=True,
+    show_default=True,
+    help="CheckFree+ swaps and copies.",
+)
+@click.option(
+    "--respawn-delay",
+    type=click.FloatRange(min=0.0),
+    default=2.0,
+    show_default=True,
+    help="Seconds before a killed or crashed node comes back as `join --stage auto`.",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("swarm-out"),
+    show_default=True,
+    metavar="DIR",
+    help="Where report.json, loss.png, peers.txt and logs/ go.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the run and the random failures.")
+@click.option(
+    "--run-id", default="swarm", show_default=True, help="Run id on the DHT (1-64 characters, no '.')."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="Stop after this many seconds.",
+)
+def up(
+    preset: str,
+    stages: int | None,
+    replicas: int,
+    data_nodes: int,
+    steps: int,
+    fail_rate: float,
+    kills: tuple[StageKill, ...],
+    checkfree_plus: bool,
+    respawn_delay: float,
+    out: Path,
+    seed: int,
+    run_id: str,
+    timeout: float | None,
+) -> None:
+    """Start a whole swarm on this machine (a bootstrap peer, data nodes, stage nodes with replicas, each its
+    own process on loopback), train, inject failures, and write DIR/report.json and DIR/loss.png."""
+    n_stages = stages_or_fail(preset_or_fail(preset), stages)
+    for kill in kills:
+        if kill.stage > n_stages:
+            raise click.BadParameter(
+                f"{kill}: stage {kill.stage} is beyond --stages {n_stages} (stages 0..{n_stages})",
+                param_hint="--kill",
+            )
+        if kill.step > steps:
+            raise click.BadParameter(
+                f"{kill}: step {kill.step} is after the last step (--steps {steps})", param_hint="--kill"
+            )
+    if not run_id or "." in run_id or len(run_id) > 64:
+        raise click.BadParameter(f"{run_id!r} must be 1-64 characters without '.'", param_hint="--run-id")
+    config = SwarmConfig(
+        preset=preset,
+        stages=n_stages,
+        replicas=replicas,
+        data_nodes=data_nodes,
+        steps=steps,
+        fail_rate=fail_rate,
+        kills=kills,
+        checkfree_plus=checkfree_plus,
+        respawn_delay=respawn_delay,
+        seed=seed,
+        run_id=run_id,
+        out=out,
+        timeout=timeout,
+    )
+    result = LocalSwarm(config).run()  # prints progress and its outcome to stderr
+    if result.outcome is Outcome.INTERRUPTED:
+        sys.exit(128 + (result.signum or signal.SIGINT))
+    if result.outcome is not Outcome.COMPLETED:
+        sys.exit(1)
+    click.echo(summary(result.report))
+
+
+def summary(report: dict[str, Any]) -> str:
+    """One line of the report's headline figures."""
+
+    def loss(key: str) -> str:
+        return "?" if report[key] is None else f"{report[key]:.3f}"
+
+    methods = ", ".join(
+        f"{method} x{entry['count']} ({entry['mean_seconds']:.1f} s)"
+        for method, entry in report["recoveries_by_method"].items()
+    )
+    speed = report["tokens_per_second"]
+    return (
+        f"{report['steps_completed']} steps: loss {loss('initial_loss')} -> {loss('final_loss')}, "
+        f"validation {loss('val_loss')}, {'?' if speed is None else f'{speed:.0f}'} tokens/s, "
+        f"{len(report['failures'])} failures, recoveries: {methods or 'none'}, "
+        f"{report['microbatches_lost']} microbatches lost"
+    )

@@ -1,0 +1,134 @@
+"""A node's handle on the hivemind DHT: start it on loopback (or an explicit public address), publish this
+node's record and the run definition, and read the swarm."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import hivemind
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from protocols.messages import NodeRecord, encode
+from swarmnode.records import (
+    MAX_STAGES,
+    PeerRecord,
+    decode_run,
+    make_validators,
+    owned_subkey,
+    parse_stage_entries,
+    run_key,
+    stage_key,
+)
+from swarmnode.runspec import RunSpec, RunSpecError
+
+
+class RunNotFound(RuntimeError):
+    """No valid run definition could be read from the DHT in time."""
+
+
+def read_initial_peers(value: str | None) -> list[str]:
+    """Multiaddrs from `--initial-peers`: a comma/space separated list, or a file with one per line."""
+    if not value:
+        return []
+    path = Path(value)
+    if not value.startswith("/") or path.is_file():
+        if not path.is_file():
+            raise FileNotFoundError(f"initial peers {value!r} is neither a multiaddr nor a readable file")
+        value = path.read_text()
+    return [part for part in value.replace(",", " ").split() if part]
+
+
+class SwarmDHT:
+    """One DHT peer (its own forked process and p2pd), with the run's validators installed."""
+
+    def __init__(
+        self,
+        run_id: str,
+        initial_peers: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        public: bool = False,
+        client_mode: bool = False,
+    ) -> None:
+        self.run_id = run_id
+        self._signer, checker = make_validators(run_id)
+        self.dht = hivemind.DHT(
+            initial_peers=list(initial_peers),
+            start=True,
+            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+            nat_port_map=public,
+            client_mode=client_mode,
+            record_validators=[self._signer, checker],
+            await_ready=True,
+        )
+        self.peer_id = str(self.dht.peer_id)
+        self._subkey = owned_subkey(self.peer_id, self._signer)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(addr) for addr in self.dht.get_visible_maddrs()]
+
+    async def publish(self, record: NodeRecord, ttl: float) -> bool:
+        return await self.dht.store(
+            stage_key(self.run_id, record.stage),
+            encode(record),
+            get_dht_time() + ttl,
+            subkey=self._subkey,
+            return_future=True,
+        )
+
+    async def publish_run(self, spec: RunSpec, ttl: float) -> bool:
+        value = MSGPackSerializer.dumps(spec.to_dict())
+        return await self.dht.store(
+            run_key(self.run_id), value, get_dht_time() + ttl, subkey=self._subkey, return_future=True
+        )
+
+    async def read_run(self) -> RunSpec | None:
+        found = await self.dht.get(run_key(self.run_id), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return None
+        newest = sorted(found.value.values(), key=lambda item: item.expiration_time, reverse=True)
+        for item in newest:
+            try:
+                return decode_run(item.value)
+            except RunSpecError:
+                continue
+        return None
+
+    async def wait_for_run(self, timeout: float) -> RunSpec:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            spec = await self.read_run()
+            if spec is not None:
+                return spec
+            if asyncio.get_running_loop().time() > deadline:
+                raise RunNotFound(
+                    f"no run definition for run {self.run_id!r} on the DHT after {timeout:.0f} s"
+                )
+            await asyncio.sleep(0.5)
+
+    async def read_stage(self, stage: int) -> list[PeerRecord]:
+        found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = get_dht_time()
+        return parse_stage_entries(
+            (subkey, item.value, item.expiration_time)
+            for subkey, item in found.value.items()
+            if item.expiration_time > now
+        )
+
+    async def read_swarm(self, n_stages: int) -> dict[int, list[PeerRecord]]:
+        """Every stage's live records, stages 0..n_stages read concurrently."""
+        if not 0 <= n_stages <= MAX_STAGES:
+            raise ValueError(f"n_stages must be within 0..{MAX_STAGES}")
+        stages = await asyncio.gather(*(self.read_stage(k) for k in range(n_stages + 1)))
+        return dict(enumerate(stages))
+
+    async def replicate_p2p(self) -> hivemind.P2P:
+        return await self.dht.replicate_p2p()
+
+    def shutdown(self) -> None:
+        if self.dht.is_alive():
+            self.dht.shutdown()

@@ -1,0 +1,219 @@
+"""NoLoCo in the daemon: every H inner steps, average with one random replica of the same stage.
+
+The pairing and the math are `protocols.noloco`; this module moves the tensors. The exchange never blocks
+training: at the outer-step boundary the node snapshots its weights (theta) and keeps training while it
+exchanges; the result is applied at the next optimizer step as `theta = phi_new + (theta_now - theta_snap)`,
+so the inner steps taken during the exchange are kept. A declined, failed, partial or timed-out exchange
+ends in the lone-replica step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import PeerID
+from torch import Tensor, nn
+
+from protocols.errors import ProtocolError
+from protocols.messages import AveragingReply, AveragingRequest, TensorSpec, decode, encode
+from protocols.noloco import OuterConfig, OuterResult, PairingRound, Phase, noloco_outer_step, pairing_seed
+from swarmnode.node.compute import ComputeQueue, Priority
+from swarmnode.node.events import emit
+from swarmnode.transport import Transport, TransportError
+
+logger = logging.getLogger(__name__)
+
+TensorMap = dict[str, Tensor]
+
+
+@dataclass
+class _Pending:
+    result: OuterResult
+    theta_snap: TensorMap
+
+
+class OuterLoop:
+    """One node's NoLoCo state (slow weights phi, momentum delta) and its exchanges."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: OuterConfig,
+        run_id: str,
+        stage: int,
+        me: str,
+        transport: Transport,
+        compute: ComputeQueue,
+        timeout_s: float,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.run_id = run_id
+        self.stage = stage
+        self.me = me
+        self.transport = transport
+        self.compute = compute
+        self.timeout_s = timeout_s
+        self.outer_step = 0
+        self.phi: TensorMap = {name: p.detach().clone() for name, p in module.named_parameters()}
+        self.delta: TensorMap | None = None
+        self.paired = 0
+        self.alone = 0
+        self._round: PairingRound | None = None
+        self._theta_snap: TensorMap = {}
+        self._delivered = asyncio.Event()
+        self._pending: _Pending | None = None
+        self._running = False
+
+    def due(self, step: int) -> bool:
+        return self.config.due(step) and not self._running
+
+    async def run(self, step: int, replicas: list[str], clock: Callable[[], float]) -> None:
+        """One outer step: pair, exchange, compute the update (applied later by `apply_pending`)."""
+        self._running = True
+        try:
+            outer = self.config.outer_step_of(step)
+            self._theta_snap = await self.compute.submit(Priority.STEP, self._snapshot)
+            self._delivered.clear()
+            rnd = PairingRound(
+                outer_step=outer,
+                me=self.me,
+                replicas=replicas,
+                seed=pairing_seed(self.run_id, self.stage, outer),
+                now=clock(),
+                timeout_s=self.timeout_s,
+            )
+            self._round = rnd
+            if rnd.outcome is None and rnd.initiator:
+                await self._initiate(rnd, clock)
+            elif rnd.outcome is None:
+                remaining = max(0.0, rnd.deadline - clock())
+                try:
+                    await asyncio.wait_for(self._delivered.wait(), remaining)
+                except TimeoutError:
+                    rnd.tick(clock())
+            outcome = rnd.tick(clock()) or rnd.fail("no outcome")
+            theta_snap = self._theta_snap
+            result = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: noloco_outer_step(
+                    self.config,
+                    self.phi,
+                    theta_snap,
+                    self.delta,
+                    outcome.partner_phis,
+                    outcome.partner_thetas,
+                ),
+            )
+            self._pending = _Pending(result, theta_snap)
+            if outcome.phase == Phase.PAIRED:
+                self.paired += 1
+            else:
+                self.alone += 1
+            emit(
+                "outer_step",
+                stage=self.stage,
+                outer_step=outer,
+                paired=outcome.phase == Phase.PAIRED,
+                partner=outcome.partner,
+                reason=outcome.reason,
+            )
+        finally:
+            self._round = None
+            self._running = False
+
+    async def _initiate(self, rnd: PairingRound, clock: Callable[[], float]) -> None:
+        names = list(self.phi)
+        request = AveragingRequest(
+            self.run_id,
+            self.stage,
+            rnd.outer_step,
+            _manifest(self.phi, names),
+            _manifest(self._theta_snap, names),
+        )
+        tensors = [self.phi[n] for n in names] + [self._theta_snap[n] for n in names]
+        while rnd.outcome is None:
+            remaining = rnd.deadline - clock()
+            if remaining <= 0:
+                rnd.tick(clock())
+                return
+            try:
+                meta, received = await self.transport.call(
+                    PeerID.from_base58(rnd.partner), "average", encode(request), tensors, timeout=remaining
+                )
+                reply = decode(meta, AveragingReply)
+            except (TransportError, ProtocolError) as error:
+                rnd.fail(str(error))
+                return
+            if reply.accept:
+                phi, theta = _split(reply.phi, received)
+                rnd.deliver(rnd.partner, phi, theta, self.phi)
+            elif reply.reason.startswith("not reached"):
+                await asyncio.sleep(min(0.25, max(0.0, rnd.deadline - clock())))
+            else:
+                rnd.fail(reply.reason)
+
+    def on_request(
+        self, peer: str, request: AveragingRequest, tensors: list[Tensor]
+    ) -> tuple[AveragingReply, list[Tensor]]:
+        """The responder's side: accept the partner's request for the current outer step, if it is ours."""
+        rnd = self._round
+        if rnd is None or rnd.outer_step < request.outer_step:
+            reason: str | None = "not reached this outer step"
+        else:
+            reason = rnd.decline_reason(peer, request.outer_step)
+        if reason is None and len(tensors) != 2 * len(request.phi):
+            reason = "tensor count does not match the manifests"
+        if reason is not None or rnd is None:
+            return AveragingReply(
+                self.run_id, self.stage, request.outer_step, False, (reason or "")[:1000]
+            ), []
+        phi, theta = _split(request.phi, tensors)
+        rnd.deliver(peer, phi, theta, self.phi)
+        self._delivered.set()
+        names = list(self.phi)
+        return AveragingReply(
+            self.run_id,
+            self.stage,
+            request.outer_step,
+            True,
+            "",
+            _manifest(self.phi, names),
+            _manifest(self._theta_snap, names),
+        ), [self.phi[n] for n in names] + [self._theta_snap[n] for n in names]
+
+    def apply_pending(self) -> bool:
+        """On the compute thread, nothing held: load the computed outer update. True if one was applied."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        with torch.no_grad():
+            for name, param in self.module.named_parameters():
+                param.copy_(pending.result.phi[name] + (param - pending.theta_snap[name]))
+        self.phi = {name: t.clone() for name, t in pending.result.phi.items()}
+        self.delta = dict(pending.result.delta)
+        self.outer_step += 1
+        return True
+
+    def _snapshot(self) -> TensorMap:
+        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+
+
+def _manifest(tensors: TensorMap, names: list[str]) -> tuple[TensorSpec, ...]:
+    return tuple(
+        TensorSpec(n, tuple(tensors[n].shape), str(tensors[n].dtype).removeprefix("torch.")) for n in names
+    )
+
+
+def _split(manifest: tuple[TensorSpec, ...], tensors: list[Tensor]) -> tuple[TensorMap, TensorMap]:
+    """phi and theta maps from tensors sent in manifest order (phi first); shapes checked by the caller."""
+    names = [spec.name for spec in manifest]
+    if len(tensors) != 2 * len(names):
+        return {}, {}
+    return dict(zip(names, tensors[: len(names)], strict=True)), dict(
+        zip(names, tensors[len(names) :], strict=True)
+    )

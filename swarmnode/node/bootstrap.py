@@ -1,0 +1,51 @@
+"""The swarm's entry peer: a DHT node that publishes the run definition and trains nothing.
+
+It is not a single point of failure once peers know each other: every node keeps the DHT alive, and any
+node's multiaddr works as an initial peer for newcomers (the run definition stays on the DHT while the
+bootstrap republishes it; a later bootstrap for the same run can take over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+from swarmnode.dht import SwarmDHT
+from swarmnode.node.events import emit
+from swarmnode.runspec import RunSpec
+
+RUN_TTL_S = 60.0
+REPUBLISH_S = 10.0
+
+
+def write_peers_file(path: Path, maddrs: list[str]) -> None:
+    """One multiaddr per line, written atomically so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(f"{addr}\n" for addr in maddrs))
+    os.replace(tmp, path)
+
+
+async def run_bootstrap(spec: RunSpec, host: str, port: int, public: bool, peers_file: Path | None) -> int:
+    dht = SwarmDHT(spec.run_id, (), host, port, public)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await dht.publish_run(spec, RUN_TTL_S)
+        maddrs = dht.visible_maddrs()
+        for addr in maddrs:
+            print(addr, flush=True)
+        if peers_file is not None:
+            write_peers_file(peers_file, maddrs)
+        emit("bootstrap", run_id=spec.run_id, maddrs=maddrs, run=spec.to_dict())
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), REPUBLISH_S)
+            except TimeoutError:
+                await dht.publish_run(spec, RUN_TTL_S)
+        return 0
+    finally:
+        dht.shutdown()

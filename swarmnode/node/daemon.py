@@ -1,0 +1,385 @@
+"""A swarmnode daemon: one node serving one stage of a run.
+
+It announces itself on the DHT, serves forward and backward passes of its stage (stage 0: drives whole
+iterations, see `node.driver`), steps its optimizer when the work planned through it is done, averages with
+a replica every H steps (NoLoCo), and rejects bad input from peers with a logged reason and a ban.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from dataclasses import replace
+
+import torch
+from hivemind.p2p import PeerID
+from torch import Tensor
+
+from protocols.errors import RemoteProtocolError
+from protocols.messages import (
+    Abort,
+    Ack,
+    AveragingRequest,
+    Backward,
+    Error,
+    ErrorCode,
+    Forward,
+    NodeRecord,
+    NodeState,
+    decode,
+    encode,
+)
+from protocols.noloco import OuterConfig
+from swarmnode.dht import SwarmDHT
+from swarmnode.node.averaging import OuterLoop
+from swarmnode.node.compute import ComputeQueue, Priority
+from swarmnode.node.events import emit
+from swarmnode.node.planning import Snapshot
+from swarmnode.node.router import Router
+from swarmnode.node.tracker import StepTracker
+from swarmnode.node.worker import Key, MissingActivations, StageWorker, check_activations
+from swarmnode.optim import Schedule, StageOptimizer
+from swarmnode.pieces import build_piece
+from swarmnode.presets import get_preset
+from swarmnode.runspec import RunSpec
+from swarmnode.transport import Compression, Transport, TransportConfig
+
+logger = logging.getLogger(__name__)
+
+BAN_SECONDS = 60.0
+
+
+class Rejected(Exception):
+    """A peer's request is refused; `code` and `reason` go back to it and into the log."""
+
+    def __init__(self, code: ErrorCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class Node:
+    """State and handlers shared by every node; `StageNode` and `DataNode` add their stage's work."""
+
+    def __init__(self, spec: RunSpec, stage: int, dht: SwarmDHT, direct_host: str | None) -> None:
+        self.spec = spec
+        self.stage = stage
+        self.dht = dht
+        self.me = dht.peer_id
+        self.model_config = replace(get_preset(spec.preset).model, vocab_size=spec.vocab_size)
+        self.piece = build_piece(self.model_config, stage, spec.stages, spec.seed)
+        schedule = Schedule(spec.lr, spec.warmup_steps, spec.total_steps)
+        self.optimizer = StageOptimizer(self.piece, schedule, spec.max_grad_norm)
+        self.compute = ComputeQueue()
+        self.state = NodeState.JOINING
+        self.snapshot = Snapshot({})
+        self.microbatches_lost = 0
+        self.tokens_processed = 0
+        self.last_loss: float | None = None
+        self.recovery: tuple[str, float] | None = None
+        self.rng = random.Random(f"{spec.seed}/{self.me}")
+        self.compression = Compression.FLOAT16 if spec.compression == "float16" else Compression.NONE
+        self.transport_config = TransportConfig(direct_host=direct_host, ban_seconds=BAN_SECONDS)
+        self.transport: Transport
+        self.router: Router
+        self.outer: OuterLoop
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
+        self._stepping = False
+        self._started = False
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        p2p = await self.dht.replicate_p2p()
+        self.transport = Transport(p2p, self.transport_config)
+        self.router = Router(
+            self.transport, self.me, self.snapshot_online, self.spec.hop_timeout_s, self.compression, self.rng
+        )
+        outer_config = OuterConfig(
+            alpha=self.spec.noloco_alpha,
+            beta=self.spec.noloco_beta,
+            gamma=self.spec.noloco_gamma,
+            inner_steps=self.spec.noloco_inner_steps,
+        )
+        self.outer = OuterLoop(
+            self.piece,
+            outer_config,
+            self.spec.run_id,
+            self.stage,
+            self.me,
+            self.transport,
+            self.compute,
+            timeout_s=2 * self.spec.hop_timeout_s,
+        )
+        for method, handler in (
+            ("forward", self._on_forward),
+            ("backward", self._on_backward),
+            ("abort", self._on_abort),
+            ("average", self._on_average),
+        ):
+            self.transport.register(method, self._guarded(handler))
+        self.compute.start()
+        self._started = True
+        await self.transport.start()
+        await self.refresh_snapshot()
+        self.state = NodeState.ONLINE
+        await self.publish()
+        self._tasks += [
+            asyncio.create_task(self._every(self.spec.record_period_s, self.publish), name="publish"),
+            asyncio.create_task(self._every(self.spec.record_period_s, self.refresh_snapshot), name="view"),
+            asyncio.create_task(self._every(1.0, self.maybe_step), name="expiry"),
+        ]
+        emit("online", stage=self.stage, peer_id=self.me)
+
+    async def wait(self) -> None:
+        await self._stopping.wait()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def close(self) -> None:
+        if not self._started:
+            return
+        self.state = NodeState.LEAVING
+        try:
+            await asyncio.wait_for(self.publish(), 2.0)
+        except Exception as error:  # leaving anyway
+            logger.info("could not announce leaving: %s", error)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.transport.close()
+        await self.compute.close()
+
+    async def _every(self, period: float, action) -> None:  # type: ignore[no-untyped-def]
+        while True:
+            try:
+                await action()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                logger.warning("%s failed: %s", getattr(action, "__name__", action), error)
+            await asyncio.sleep(period)
+
+    # ---- the swarm ----------------------------------------------------------------------------------------
+
+    def snapshot_online(self, stage: int) -> list[str]:
+        return [p for p in self.snapshot.online(stage) if p != self.me or stage == self.stage]
+
+    async def refresh_snapshot(self) -> None:
+        self.snapshot = Snapshot(await self.dht.read_swarm(self.spec.stages))
+
+    def record(self) -> NodeRecord:
+        busy = self.compute.busy_seconds
+        return NodeRecord(
+            state=self.state,
+            stage=self.stage,
+            step=self.optimizer.step_count,
+            outer_step=self.outer.outer_step,
+            loss=self.last_loss,
+            grad_norm=self.optimizer.last_grad_norm,
+            throughput=self.tokens_processed / busy if busy > 0 else 0.0,
+            queue_depth=self.compute.depth,
+            microbatches_lost=self.microbatches_lost,
+            recovery=self.recovery[0] if self.recovery else None,
+            recovery_seconds=self.recovery[1] if self.recovery else None,
+        )
+
+    async def publish(self) -> None:
+        await self.dht.publish(self.record(), self.spec.record_ttl_s)
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def _guarded(self, handler):  # type: ignore[no-untyped-def]
+        """Wrap a handler: malformed or hostile input is logged, the sender banned, an Error returned."""
+
+        async def serve(peer: PeerID, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+            try:
+                return await handler(str(peer), meta, tensors)
+            except Rejected as rejected:
+                if rejected.code in (ErrorCode.MALFORMED, ErrorCode.WRONG_RUN):
+                    self.transport.ban(peer, BAN_SECONDS)
+                    logger.warning(
+                        "rejected %s from %s and banned it: %s",
+                        rejected.code,
+                        str(peer)[-8:],
+                        rejected.reason,
+                    )
+                    emit("rejected", peer_id=str(peer), code=str(rejected.code), reason=rejected.reason)
+                return encode(Error(rejected.code, rejected.reason[:1000])), []
+
+        return serve
+
+    def _decode(self, meta: bytes, kind: type):  # type: ignore[no-untyped-def]
+        try:
+            message = decode(meta, kind)
+        except RemoteProtocolError as error:
+            raise Rejected(ErrorCode.MALFORMED, error.reason) from None
+        if getattr(message, "run_id", self.spec.run_id) != self.spec.run_id:
+            raise Rejected(ErrorCode.WRONG_RUN, f"run {message.run_id!r} is not {self.spec.run_id!r}")
+        return message
+
+    def _hop_tensor(self, message: Forward | Backward, tensors: list[Tensor]) -> Tensor:
+        if message.path[message.hop] != self.me or message.stages[message.hop] != self.stage:
+            raise Rejected(ErrorCode.WRONG_STAGE, f"hop {message.hop} is not this node (stage {self.stage})")
+        if len(tensors) != 1:
+            raise Rejected(ErrorCode.MALFORMED, f"expected one tensor, got {len(tensors)}")
+        problem = check_activations(
+            tensors[0], self.spec.batch_size, self.spec.seq_len, self.model_config.dim
+        )
+        if problem is not None:
+            raise Rejected(ErrorCode.MALFORMED, problem)
+        return tensors[0]
+
+    async def _on_abort(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        abort: Abort = self._decode(meta, Abort)
+        key = (abort.origin, abort.iteration, abort.microbatch)
+        await self.on_abort(key, abort.reason)
+        return encode(Ack()), []
+
+    async def _on_average(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        request: AveragingRequest = self._decode(meta, AveragingRequest)
+        if request.stage != self.stage:
+            raise Rejected(
+                ErrorCode.WRONG_STAGE, f"averaging for stage {request.stage} sent to stage {self.stage}"
+            )
+        expected = {name: tuple(p.shape) for name, p in self.piece.named_parameters()}
+        if [(s.name, s.shape) for s in request.phi] != list(expected.items()) or not all(
+            t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in tensors
+        ):
+            raise Rejected(ErrorCode.MALFORMED, "averaging tensors do not match this stage's parameters")
+        reply, out = self.outer.on_request(peer, request, tensors)
+        return encode(reply), out
+
+    # ---- stage work, overridden by the data node ----------------------------------------------------------
+
+    async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        raise NotImplementedError
+
+    async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        raise NotImplementedError
+
+    async def on_abort(self, key: Key, reason: str) -> None:
+        raise NotImplementedError
+
+    async def maybe_step(self) -> None:
+        raise NotImplementedError
+
+    def spawn(self, coro, name: str) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.append(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def outer_step_if_due(self) -> None:
+        if self.outer.due(self.optimizer.step_count):
+            replicas = [p for p in self.router.online(self.stage) if p != self.me]
+            self.spawn(
+                self.outer.run(self.optimizer.step_count, [*replicas, self.me], time.monotonic), "noloco"
+            )
+
+
+class StageNode(Node):
+    """A node of transformer stage k >= 1: forward and backward passes for the microbatches routed here."""
+
+    def __init__(self, spec: RunSpec, stage: int, dht: SwarmDHT, direct_host: str | None) -> None:
+        super().__init__(spec, stage, dht, direct_host)
+        self.worker = StageWorker(self.piece, self.optimizer)
+        self.tracker = StepTracker(spec.iteration_timeout_s)
+
+    async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        message: Forward = self._decode(meta, Forward)
+        hidden = self._hop_tensor(message, tensors)
+        key = (message.path[0], message.iteration, message.microbatch)
+        if message.evaluate:
+            self.spawn(self._evaluate(message, hidden), "evaluate")
+            return encode(Ack()), []
+        expected = message.visits[message.hop] if message.visits else 0
+        if not self.tracker.on_forward(key, expected, time.monotonic()):
+            raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
+        self.spawn(self._forward(message, key, hidden), "forward")
+        return encode(Ack()), []
+
+    async def _forward(self, message: Forward, key: Key, hidden: Tensor) -> None:
+        now = time.monotonic()
+        output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
+        self.tokens_processed += hidden.shape[0] * hidden.shape[1]
+        if await self.router.forward(message, output) is None:
+            await self._abort_everywhere(message, key, "next hop unreachable")
+
+    async def _evaluate(self, message: Forward, hidden: Tensor) -> None:
+        """A validation microbatch: forward only, nothing held, no gradient, not tracked."""
+
+        def run() -> Tensor:
+            with torch.no_grad():
+                return self.piece(hidden.float())
+
+        await self.router.forward(message, await self.compute.submit(Priority.FORWARD, run))
+
+    async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        message: Backward = self._decode(meta, Backward)
+        grad = self._hop_tensor(message, tensors)
+        key = (message.path[0], message.iteration, message.microbatch)
+        if not self.worker.holds(key):
+            raise Rejected(ErrorCode.STALE, f"no activations held for microbatch {key}")
+        self.spawn(self._backward(message, key, grad), "backward")
+        return encode(Ack()), []
+
+    async def _backward(self, message: Backward, key: Key, grad: Tensor) -> None:
+        try:
+            grad_in = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.backward(key, grad))
+        except MissingActivations:
+            return  # aborted meanwhile
+        self.tracker.on_finished(key, applied=True)
+        delivered = await self.router.backward(message, grad_in)
+        if not delivered:
+            await self._abort_everywhere(message, key, "previous hop unreachable")
+        await self.maybe_step()
+
+    async def _abort_everywhere(self, message: Forward | Backward, key: Key, reason: str) -> None:
+        await self.on_abort(key, reason)
+        await self.router.abort(self.spec.run_id, key[0], key[1], key[2], message.path, reason)
+
+    async def on_abort(self, key: Key, reason: str) -> None:
+        dropped = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
+        self.tracker.on_finished(key, applied=False)
+        if dropped:
+            logger.info("dropped microbatch %s: %s", key, reason)
+        await self.maybe_step()
+
+    async def maybe_step(self) -> None:
+        if self._stepping:
+            return
+        now = time.monotonic()
+        for origin, iteration in self.tracker.expire(now):
+            for key in [k for k in self.worker.expired(float("inf")) if k[:2] == (origin, iteration)]:
+                await self.compute.submit(Priority.BACKWARD, lambda key=key: self.worker.drop(key))
+                self.microbatches_lost += 1
+        decision = self.tracker.ready(self.worker.in_flight, now)
+        if decision is None:
+            return
+        self._stepping = True
+        try:
+            if decision.groups:
+                norm = await self.compute.submit(Priority.STEP, lambda: self._step(decision.groups))
+                if norm is not None and not math.isfinite(norm):
+                    logger.warning("non-finite gradient norm: update skipped")
+                await self.outer_step_if_due()
+        finally:
+            self._stepping = False
+
+    def _step(self, groups: int) -> float | None:
+        if self.worker.in_flight:
+            return None  # defensive: never change weights a pending backward pass needs
+        norm = self.worker.step(1.0 / groups)
+        self.outer.apply_pending()
+        return norm

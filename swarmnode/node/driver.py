@@ -1,0 +1,280 @@
+"""Stage 0: a data node owns a shard of the data and drives iterations through the swarm.
+
+Each iteration it plans paths (SkipPipe, `node.planning`), embeds its microbatches and sends them on their
+way, computes the loss when the activations come back, sends the gradients back along the same path, and
+steps `E` and `E'` once every microbatch has finished or is counted lost. A microbatch that does not return
+within the iteration timeout is aborted everywhere and counted; nothing waits longer than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from protocols.messages import Ack, Backward, ErrorCode, Forward, encode
+from swarmnode.data import Corpus, batches, shard, val_batches
+from swarmnode.dht import SwarmDHT
+from swarmnode.node.compute import Priority
+from swarmnode.node.daemon import Node, Rejected
+from swarmnode.node.events import emit
+from swarmnode.node.planning import PlannedMicrobatch, plan_iteration
+from swarmnode.node.worker import DataWorker, Key
+from swarmnode.runspec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+VALIDATION_BATCHES = 2
+EVALUATION_BASE = 2**62  # iteration numbers of validation passes, apart from training iterations
+
+
+@dataclass
+class _Microbatch:
+    planned: PlannedMicrobatch
+    targets: Tensor
+    path: tuple[str, ...] = ()
+    loss: float | None = None
+    done: bool = False
+
+
+@dataclass
+class _Iteration:
+    number: int
+    microbatches: dict[int, _Microbatch] = field(default_factory=dict)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    evaluation: bool = False
+
+    def check(self) -> None:
+        if all(mb.done for mb in self.microbatches.values()):
+            self.finished.set()
+
+
+class DataNode(Node):
+    """A node of stage 0: embedding, head, loss and a shard of the data."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        dht: SwarmDHT,
+        direct_host: str | None,
+        corpus: Corpus,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        eval_every: int = 25,
+    ) -> None:
+        super().__init__(spec, 0, dht, direct_host)
+        self.worker = DataWorker(self.piece, self.optimizer)
+        tokens = shard(corpus.train_tokens, shard_index, shard_count)
+        self._batches: Iterator[tuple[Tensor, Tensor]] = batches(
+            tokens, spec.batch_size, spec.seq_len, seed=spec.seed * 7919 + shard_index
+        )
+        self._validation = val_batches(corpus.val_tokens, spec.batch_size, spec.seq_len, VALIDATION_BATCHES)
+        self.eval_every = eval_every
+        self.iteration = 0
+        self._current: _Iteration | None = None
+        self.val_loss: float | None = None
+
+    async def train(self) -> None:
+        """Run iterations until the run's total steps; returns early if stopped."""
+        while self.optimizer.step_count < self.spec.total_steps and not self._stopping.is_set():
+            planned = plan_iteration(self.snapshot, self.me, self.spec, self.iteration, self._tokens_per_mb)
+            if not planned:
+                await asyncio.sleep(self.spec.record_period_s)
+                await self.refresh_snapshot()
+                continue
+            started = time.monotonic()
+            losses, lost = await self._run_iteration(planned, [next(self._batches) for _ in planned])
+            self.iteration += 1
+            if losses:
+                mean = sum(losses) / len(losses)
+                completed, total = len(losses), len(planned)
+                norm = await self.compute.submit(Priority.STEP, partial(self._step, completed, total))
+                self.last_loss = mean
+                emit(
+                    "step",
+                    step=self.optimizer.step_count,
+                    loss=round(mean, 5),
+                    lost=lost,
+                    tokens=len(losses) * self._tokens_per_mb,
+                    seconds=round(time.monotonic() - started, 4),
+                    grad_norm=norm,
+                    paths=[list(p.stages) for p in planned],
+                )
+                await self.outer_step_if_due()
+                if self.optimizer.step_count % self.eval_every == 0:
+                    await self.evaluate()
+            else:
+                emit("iteration_failed", iteration=self.iteration - 1, lost=lost)
+        await self.evaluate()
+
+    @property
+    def _tokens_per_mb(self) -> int:
+        return self.spec.batch_size * self.spec.seq_len
+
+    def _step(self, completed: int, planned: int) -> float:
+        norm = self.worker.step(planned / completed)  # losses were weighted 1/planned: rescale to the mean
+        self.outer.apply_pending()
+        return norm
+
+    async def evaluate(self) -> float | None:
+        """Validation loss over fixed batches, through one online replica of every stage in order."""
+        stages = [sorted(self.router.online(k)) for k in range(1, self.spec.stages + 1)]
+        if not all(stages):
+            return None
+        path = (self.me, *(self.rng.choice(peers) for peers in stages), self.me)
+        planned = [
+            PlannedMicrobatch(i, path, (*range(self.spec.stages + 1), 0), (0,) * len(path))
+            for i in range(len(self._validation))
+        ]
+        losses, _ = await self._run_iteration(planned, self._validation, evaluation=True)
+        if len(losses) == len(planned):
+            self.val_loss = sum(losses) / len(losses)
+            emit("validation", step=self.optimizer.step_count, val_loss=round(self.val_loss, 5))
+        return self.val_loss
+
+    async def _run_iteration(
+        self, planned: list[PlannedMicrobatch], data: list[tuple[Tensor, Tensor]], evaluation: bool = False
+    ) -> tuple[list[float], int]:
+        number = EVALUATION_BASE + self.optimizer.step_count if evaluation else self.iteration
+        iteration = _Iteration(number, evaluation=evaluation)
+        self._current = iteration
+        for plan, (_, targets) in zip(planned, data, strict=True):
+            iteration.microbatches[plan.microbatch] = _Microbatch(plan, targets, plan.path)
+        launches = zip(iteration.microbatches.values(), data, strict=True)
+        await asyncio.gather(*(self._launch(iteration, mb, inputs) for mb, (inputs, _) in launches))
+        try:
+            await asyncio.wait_for(iteration.finished.wait(), self.spec.iteration_timeout_s)
+        except TimeoutError:
+            logger.warning("iteration %d timed out", iteration.number)
+        lost = [mb for mb in iteration.microbatches.values() if mb.loss is None or not mb.done]
+        for mb in lost:
+            key = (self.me, iteration.number, mb.planned.microbatch)
+            await self.compute.submit(Priority.BACKWARD, lambda key=key: self.worker.drop(key))
+            await self.router.abort(
+                self.spec.run_id,
+                self.me,
+                iteration.number,
+                mb.planned.microbatch,
+                mb.path,
+                "iteration timed out",
+            )
+        if lost and not evaluation:
+            self.microbatches_lost += len(lost)
+            emit("microbatch_lost", step=self.optimizer.step_count, count=len(lost))
+        self._current = None
+        return [mb.loss for mb in iteration.microbatches.values() if mb.done and mb.loss is not None], len(
+            lost
+        )
+
+    async def _launch(self, iteration: _Iteration, mb: _Microbatch, inputs: Tensor) -> None:
+        plan = mb.planned
+        key = (self.me, iteration.number, plan.microbatch)
+        now = time.monotonic()
+        if iteration.evaluation:
+            hidden = await self.compute.submit(Priority.FORWARD, lambda: self.piece.embed(inputs).detach())
+        else:
+            hidden = await self.compute.submit(Priority.FORWARD, lambda: self.worker.embed(key, inputs, now))
+        self.tokens_processed += inputs.numel()
+        first = Forward(
+            self.spec.run_id,
+            iteration.number,
+            plan.microbatch,
+            plan.path,
+            0,
+            plan.stages,
+            plan.visits,
+            evaluate=iteration.evaluation,
+        )
+        if await self.router.forward(first, hidden) is None:
+            await self._lose(iteration, mb, key, "first hop unreachable")
+
+    async def _lose(self, iteration: _Iteration, mb: _Microbatch, key: Key, reason: str) -> None:
+        logger.info("microbatch %s lost: %s", key, reason)
+        await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
+        mb.done = True
+        iteration.check()
+
+    def _microbatch(self, message: Forward | Backward) -> tuple[_Iteration, _Microbatch]:
+        iteration = self._current
+        if message.path[0] != self.me or iteration is None or message.iteration != iteration.number:
+            raise _stale(message)
+        mb = iteration.microbatches.get(message.microbatch)
+        if mb is None or mb.done:
+            raise _stale(message)
+        return iteration, mb
+
+    async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        message: Forward = self._decode(meta, Forward)
+        if message.hop != len(message.path) - 1:
+            raise Rejected(
+                ErrorCode.WRONG_STAGE, f"forward hop {message.hop} of {len(message.path)} at a data node"
+            )
+        hidden = self._hop_tensor(message, tensors)
+        iteration, mb = self._microbatch(message)
+        mb.path = message.path
+        self.spawn(self._head(iteration, mb, message, hidden), "head")
+        return encode(Ack()), []
+
+    async def _head(self, iteration: _Iteration, mb: _Microbatch, message: Forward, hidden: Tensor) -> None:
+        key = (self.me, iteration.number, mb.planned.microbatch)
+        if iteration.evaluation:
+            mb.loss = await self.compute.submit(Priority.FORWARD, lambda: self._eval_loss(hidden, mb.targets))
+            mb.done = True
+            iteration.check()
+            return
+        scale = 1.0 / len(iteration.microbatches)
+        mb.loss, grad = await self.compute.submit(
+            Priority.BACKWARD, lambda: self.worker.loss_and_grad(hidden, mb.targets, scale)
+        )
+        if not await self.router.backward(message, grad):
+            mb.loss = None
+            await self.router.abort(
+                self.spec.run_id,
+                self.me,
+                iteration.number,
+                mb.planned.microbatch,
+                mb.path,
+                "backward hop unreachable",
+            )
+            await self._lose(iteration, mb, key, "backward hop unreachable")
+
+    async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        message: Backward = self._decode(meta, Backward)
+        grad = self._hop_tensor(message, tensors)
+        iteration, mb = self._microbatch(message)
+        key = (self.me, iteration.number, mb.planned.microbatch)
+        self.spawn(self._finish(iteration, mb, key, grad), "finish")
+        return encode(Ack()), []
+
+    async def _finish(self, iteration: _Iteration, mb: _Microbatch, key: Key, grad: Tensor) -> None:
+        await self.compute.submit(Priority.BACKWARD, lambda: self.worker.finish(key, grad))
+        mb.done = True
+        iteration.check()
+
+    async def on_abort(self, key: Key, reason: str) -> None:
+        iteration = self._current
+        if key[0] != self.me or iteration is None or key[1] != iteration.number:
+            return
+        mb = iteration.microbatches.get(key[2])
+        if mb is not None and not mb.done:
+            mb.loss = None
+            await self._lose(iteration, mb, key, reason)
+
+    async def maybe_step(self) -> None:
+        """Data nodes step at the end of each iteration (see `train`)."""
+
+    def _eval_loss(self, hidden: Tensor, targets: Tensor) -> float:
+        with torch.no_grad():
+            return float(self.piece.loss(hidden.float(), targets))
+
+
+def _stale(message: Forward | Backward) -> Rejected:
+    return Rejected(
+        ErrorCode.STALE, f"microbatch {message.microbatch} of iteration {message.iteration} is not pending"
+    )

@@ -1,0 +1,105 @@
+"""From DHT records to this data node's paths for one iteration, via the SkipPipe scheduler.
+
+Every data node plans the whole swarm's iteration with the same scheduler (deterministic for a seed) from
+its view of the DHT and takes its own microbatches: no round trip per microbatch, no planner to elect.
+Views that differ for a moment only cost some collisions. Stages with no online node are left out of the
+view, so paths skip past a lost stage while it is being rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from protocols.errors import LocalProtocolError
+from protocols.messages import NodeState
+from protocols.skippipe import PathRules, SwarmView, full_pipeline_plan, schedule
+from swarmnode.records import PeerRecord
+from swarmnode.runspec import RunSpec
+
+LOOPBACK_LINK_S = 0.002  # one activation hop on loopback; replaced by measured costs where known
+DEFAULT_FORWARD_S = 0.05
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The swarm as last read from the DHT: live records per stage."""
+
+    stages: Mapping[int, Sequence[PeerRecord]]
+
+    def online(self, stage: int) -> list[str]:
+        return [p.peer_id for p in self.stages.get(stage, ()) if p.record.state == NodeState.ONLINE]
+
+    def record(self, peer_id: str) -> PeerRecord | None:
+        for peers in self.stages.values():
+            for peer in peers:
+                if peer.peer_id == peer_id:
+                    return peer
+        return None
+
+
+@dataclass(frozen=True)
+class PlannedMicrobatch:
+    microbatch: int
+    path: tuple[str, ...]  # peer ids, starting and ending at this data node
+    stages: tuple[int, ...]  # the stage each hop serves (0 at both ends)
+    visits: tuple[int, ...]  # how many of this iteration's microbatches the plan sends through each hop
+
+
+def plan_iteration(
+    snapshot: Snapshot, me: str, spec: RunSpec, iteration: int, tokens_per_microbatch: int
+) -> list[PlannedMicrobatch]:
+    """This data node's microbatch paths for `iteration`; empty if no transformer stage is online."""
+    data_nodes = sorted({*snapshot.online(0), me})
+    alive = [k for k in range(1, spec.stages + 1) if snapshot.online(k)]
+    if not alive:
+        return []
+    view_stages: list[list[int]] = []
+    peers: list[str] = []
+    forward_s: list[float] = []
+    for stage in (0, *alive):
+        members = data_nodes if stage == 0 else sorted(snapshot.online(stage))
+        view_stages.append(list(range(len(peers), len(peers) + len(members))))
+        for peer in members:
+            peers.append(peer)
+            forward_s.append(_forward_seconds(snapshot.record(peer), tokens_per_microbatch))
+    view = SwarmView.build(view_stages, forward_s, lambda a, b: LOOPBACK_LINK_S)
+    rules = PathRules(
+        microbatches_per_data_node=spec.microbatches,
+        skip_ratio=spec.skip_ratio if len(alive) == spec.stages else 0.0,
+        memory=spec.node_memory,
+        checkfree_plus_share=0.5 if spec.checkfree_plus and len(alive) >= 2 else 0.0,
+    )
+    try:
+        plan = schedule(view, rules, seed=spec.seed * 1_000_003 + iteration, restarts=2, rounds=60)
+    except LocalProtocolError:
+        plan = full_pipeline_plan(view, rules)
+
+    mine = data_nodes.index(me)
+    first = mine * spec.microbatches
+    ids = range(first, first + spec.microbatches)
+    visits: dict[int, int] = {}
+    for mb in ids:
+        for node in set(plan.paths[mb][1:-1]):
+            visits[node] = visits.get(node, 0) + 1
+    stage_ids = (0, *alive)
+    planned = []
+    for mb in ids:
+        path = plan.paths[mb]
+        planned.append(
+            PlannedMicrobatch(
+                microbatch=mb - first,
+                path=tuple(peers[node] for node in path),
+                stages=tuple(stage_ids[view.stage_of[node]] for node in path),
+                visits=tuple(
+                    visits.get(node, 0) if 0 < i < len(path) - 1 else 1 for i, node in enumerate(path)
+                ),
+            )
+        )
+    return planned
+
+
+def _forward_seconds(peer: PeerRecord | None, tokens: int) -> float:
+    if peer is None or peer.record.throughput <= 0:
+        return DEFAULT_FORWARD_S
+    return tokens / peer.record.throughput

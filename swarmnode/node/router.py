@@ -1,0 +1,152 @@
+"""Sending a microbatch to its next hop, with re-routing around dead nodes.
+
+A forward hop that fails (the peer is dead, frozen past the timeout, or refuses) is re-sent to another
+online replica of the same stage; if the stage has none, the hop skips past it (SkipPipe tolerates skipped
+stages). The path in the message is rewritten, so the backward pass retraces the path actually taken.
+A backward hop cannot be re-routed (the activations live on that node): the microbatch is aborted on every
+node of its path, and counted lost by its data node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from hivemind.p2p import PeerID
+from torch import Tensor
+
+from protocols.errors import ProtocolError
+from protocols.messages import Abort, Ack, Backward, Forward, TensorSpec, decode, encode
+from swarmnode.transport import Compression, Transport, TransportError
+
+logger = logging.getLogger(__name__)
+
+SUSPECT_SECONDS = 10.0
+
+
+class Router:
+    """Sends hops for one node; remembers peers that just failed so nobody routes to them for a while."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        me: str,
+        online: Callable[[int], list[str]],
+        hop_timeout_s: float,
+        compression: Compression,
+        rng: random.Random,
+    ) -> None:
+        self.transport = transport
+        self.me = me
+        self._online = online
+        self.hop_timeout_s = hop_timeout_s
+        self.compression = compression
+        self.rng = rng
+        self._suspects: dict[str, float] = {}
+        self.failures_seen = 0
+        self.reroutes = 0
+        self.skips = 0
+
+    def suspect(self, peer: str) -> None:
+        self.failures_seen += 1
+        self._suspects[peer] = time.monotonic() + SUSPECT_SECONDS
+
+    def is_suspect(self, peer: str) -> bool:
+        until = self._suspects.get(peer)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._suspects[peer]
+            return False
+        return True
+
+    def online(self, stage: int) -> list[str]:
+        return [peer for peer in self._online(stage) if not self.is_suspect(peer)]
+
+    async def call(self, peer: str, method: str, meta: bytes, tensors: list[Tensor], timeout: float) -> None:
+        """One call that must be acknowledged; raises TransportError or ProtocolError otherwise."""
+        reply, _ = await self.transport.call(
+            PeerID.from_base58(peer), method, meta, tensors, timeout=timeout, compression=self.compression
+        )
+        decode(reply, Ack)
+
+    async def forward(self, sent: Forward, hidden: Tensor) -> Forward | None:
+        """Send `hidden` to the hop after `sent.hop`. Returns the message delivered, or None if it could not
+        be
+        (the caller aborts the microbatch)."""
+        path, stages, visits = list(sent.path), list(sent.stages), list(sent.visits or [0] * len(sent.path))
+        nxt = sent.hop + 1
+        tried: set[str] = set()
+        spec = (TensorSpec("hidden", tuple(hidden.shape), str(hidden.dtype).removeprefix("torch.")),)
+        while True:
+            message = Forward(
+                sent.run_id,
+                sent.iteration,
+                sent.microbatch,
+                tuple(path),
+                nxt,
+                tuple(stages),
+                tuple(visits),
+                spec,
+                sent.evaluate,
+            )
+            target = path[nxt]
+            try:
+                await self.call(target, "forward", encode(message), [hidden], self.hop_timeout_s)
+                return message
+            except (TransportError, ProtocolError) as error:
+                logger.warning("forward to %s (stage %d) failed: %s", target[-8:], stages[nxt], error)
+                tried.add(target)
+                self.suspect(target)
+            if nxt == len(path) - 1:
+                return None  # the data node itself is gone
+            others = [p for p in self.online(stages[nxt]) if p not in tried and p not in path]
+            if others:
+                path[nxt] = self.rng.choice(sorted(others))
+                visits[nxt] = 0
+                self.reroutes += 1
+            else:
+                del path[nxt], stages[nxt], visits[nxt]
+                self.skips += 1
+
+    async def backward(self, received: Backward | Forward, grad: Tensor) -> bool:
+        """Send `grad` to the hop before `received.hop`; False if it could not be delivered."""
+        target_hop = received.hop - 1
+        spec = (TensorSpec("grad", tuple(grad.shape), str(grad.dtype).removeprefix("torch.")),)
+        message = Backward(
+            received.run_id,
+            received.iteration,
+            received.microbatch,
+            received.path,
+            target_hop,
+            received.stages,
+            received.visits,
+            spec,
+        )
+        target = received.path[target_hop]
+        try:
+            await self.call(target, "backward", encode(message), [grad], self.hop_timeout_s)
+            return True
+        except (TransportError, ProtocolError) as error:
+            logger.warning("backward to %s failed: %s", target[-8:], error)
+            self.suspect(target)
+            return False
+
+    async def abort(
+        self, run_id: str, origin: str, iteration: int, microbatch: int, path: tuple[str, ...], reason: str
+    ) -> None:
+        """Tell every other node of the path to drop the microbatch (best effort, bounded)."""
+        message = encode(Abort(run_id, origin, iteration, microbatch, reason[:1000]))
+        targets = sorted({p for p in path if p != self.me and not self.is_suspect(p)})
+        await asyncio.gather(
+            *(self._try(target, "abort", message) for target in targets), return_exceptions=True
+        )
+
+    async def _try(self, peer: str, method: str, meta: bytes) -> None:
+        try:
+            await self.call(peer, method, meta, [], min(2.0, self.hop_timeout_s))
+        except (TransportError, ProtocolError) as error:
+            logger.info("%s to %s failed: %s", method, peer[-8:], error)

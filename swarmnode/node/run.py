@@ -1,0 +1,104 @@
+"""Starting and stopping a daemon process: the DHT, the run definition, the stage, the node, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from swarmnode.data import load_corpus
+from swarmnode.dht import SwarmDHT
+from swarmnode.node.daemon import Node, StageNode
+from swarmnode.node.driver import DataNode
+from swarmnode.node.events import emit
+from swarmnode.node.planning import Snapshot
+from swarmnode.runspec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+RUN_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    run_id: str
+    stage: int | None  # None: auto
+    initial_peers: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    public: bool = False
+    direct: bool = True
+    threads: int | None = None
+    shard_index: int = 0
+    shard_count: int = 1
+    tokenizer: Path | None = None
+
+
+def choose_stage(snapshot: Snapshot, spec: RunSpec) -> int:
+    """`--stage auto`: a stage with no online node first (data stage first), else the transformer stage with
+    the least throughput per replica."""
+    for stage in range(spec.stages + 1):
+        if not snapshot.online(stage):
+            return stage
+
+    def per_replica(stage: int) -> float:
+        peers = [p for p in snapshot.stages.get(stage, ()) if p.peer_id in snapshot.online(stage)]
+        return sum(p.record.throughput for p in peers) / len(peers) / len(peers)
+
+    return min(range(1, spec.stages + 1), key=lambda k: (len(snapshot.online(k)), per_replica(k), k))
+
+
+async def run_join(options: JoinOptions) -> int:
+    """Run one daemon until its data node finishes the run, or until SIGINT/SIGTERM. Returns an exit code."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    dht = SwarmDHT(options.run_id, options.initial_peers, options.host, options.port, options.public)
+    node: Node | None = None
+    try:
+        spec = await dht.wait_for_run(RUN_WAIT_S)
+        snapshot = Snapshot(await dht.read_swarm(spec.stages))
+        stage = choose_stage(snapshot, spec) if options.stage is None else options.stage
+        if not 0 <= stage <= spec.stages:
+            raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
+        direct = options.host if options.direct else None
+        if stage == 0:
+            corpus = load_corpus(spec.data, options.tokenizer, spec.vocab_size)
+            if corpus.vocab_size != spec.vocab_size:
+                raise ValueError(
+                    f"this node's tokenizer has {corpus.vocab_size} tokens, the run's model {spec.vocab_size}"
+                )
+            node = DataNode(spec, dht, direct, corpus, options.shard_index, options.shard_count)
+        else:
+            node = StageNode(spec, stage, dht, direct)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, node.stop)
+        await node.start()
+        if isinstance(node, DataNode):
+            trainer = asyncio.create_task(node.train())
+            stopper = asyncio.create_task(node.wait())
+            await asyncio.wait({trainer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if trainer.done():
+                trainer.result()
+                emit(
+                    "finished",
+                    step=node.optimizer.step_count,
+                    loss=node.last_loss,
+                    val_loss=node.val_loss,
+                    microbatches_lost=node.microbatches_lost,
+                )
+            else:
+                trainer.cancel()
+                await asyncio.gather(trainer, return_exceptions=True)
+        else:
+            await node.wait()
+        return 0
+    finally:
+        if node is not None:
+            await node.close()
+        dht.shutdown()

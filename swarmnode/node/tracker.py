@@ -1,0 +1,92 @@
+"""When may a stage step? Bookkeeping of the microbatches planned through this node, per iteration group.
+
+A group is one data node's iteration: `(origin, iteration)`. Each forward message says how many of the
+group's microbatches the plan sends through this node (`visits`); the group is complete once that many
+(or as many as actually arrived, if re-routing sent more) have finished their backward pass or were
+aborted. A node steps when every group it knows of is complete or expired and nothing is held, so no
+global barrier is needed and no microbatch is applied twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from swarmnode.node.worker import Key
+
+Group = tuple[str, int]
+
+
+@dataclass
+class _GroupState:
+    created: float
+    expected: int = 0
+    seen: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
+    applied: int = 0  # microbatches whose gradient reached this node's parameters
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finished) >= max(self.expected, len(self.seen))
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    groups: int  # groups whose gradients are in `.grad` (the step averages over them)
+    applied: int  # microbatches applied
+
+
+class StepTracker:
+    """Per-group accounting of planned, arrived and finished microbatches on one node."""
+
+    def __init__(self, expiry_s: float) -> None:
+        self.expiry_s = expiry_s
+        self._groups: dict[Group, _GroupState] = {}
+        self._closed: dict[Group, float] = {}  # finished groups, remembered to ignore late messages
+
+    def on_forward(self, key: Key, expected: int, now: float) -> bool:
+        """A forward pass arrived. False if it belongs to a group this node already stepped past."""
+        group = key[:2]
+        if group in self._closed:
+            return False
+        state = self._groups.setdefault(group, _GroupState(created=now))
+        state.expected = max(state.expected, expected)
+        if key[2] in state.seen:
+            return False
+        state.seen.add(key[2])
+        return True
+
+    def on_finished(self, key: Key, applied: bool) -> None:
+        """A microbatch finished here: its backward pass ran (`applied`) or it was aborted."""
+        state = self._groups.get(key[:2])
+        if state is None or key[2] in state.finished:
+            return
+        state.finished.add(key[2])
+        state.applied += int(applied)
+
+    def expire(self, now: float) -> list[Group]:
+        """Give up on groups older than the expiry (now complete); the caller drops what they hold."""
+        expired = [g for g, s in self._groups.items() if not s.complete and now - s.created > self.expiry_s]
+        for group in expired:
+            state = self._groups[group]
+            state.expected = 0
+            state.finished |= state.seen
+        return expired
+
+    def ready(self, held: int, now: float) -> StepDecision | None:
+        """A step decision if this node should step now (nothing held, every group complete), else None."""
+        if held or not self._groups or not all(state.complete for state in self._groups.values()):
+            return None
+        decision = StepDecision(
+            groups=sum(1 for state in self._groups.values() if state.applied),
+            applied=sum(state.applied for state in self._groups.values()),
+        )
+        for group in self._groups:
+            self._closed[group] = now
+        self._groups.clear()
+        self._forget(now)
+        return decision
+
+    def _forget(self, now: float) -> None:
+        horizon = now - 10 * self.expiry_s
+        for group in [g for g, closed in self._closed.items() if closed < horizon]:
+            del self._closed[group]

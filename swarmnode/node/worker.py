@@ -1,0 +1,129 @@
+"""The torch side of a daemon: run a stage's piece forward and backward for microbatches in flight.
+
+Everything here runs on the compute thread (`node.compute`), one call at a time. Activations are kept
+between a microbatch's forward and backward pass, keyed by `(origin peer, iteration, microbatch)`, and
+dropped when the backward pass is done or the microbatch is aborted. Gradients accumulate in the
+parameters' `.grad` until the stage steps; the daemon steps only when no activation is held, so an
+optimizer step never changes weights that a pending backward pass still needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from swarmnode.optim import StageOptimizer
+from swarmnode.pieces import DataPiece
+
+Key = tuple[str, int, int]  # (origin data node, iteration, microbatch)
+
+
+class MissingActivations(KeyError):
+    """A backward pass arrived for a microbatch this node holds nothing for (never seen, aborted, expired)."""
+
+
+@dataclass
+class _Held:
+    inputs: Tensor
+    outputs: Tensor
+    created: float
+
+
+class StageWorker:
+    """Forward and backward passes of one transformer stage, with its optimizer."""
+
+    def __init__(self, module: nn.Module, optimizer: StageOptimizer) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self._held: dict[Key, _Held] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._held)
+
+    def holds(self, key: Key) -> bool:
+        return key in self._held
+
+    def forward(self, key: Key, hidden: Tensor, now: float) -> Tensor:
+        inputs = hidden.detach().float().requires_grad_(True)
+        outputs = self.module(inputs)
+        self._held[key] = _Held(inputs, outputs, now)
+        return outputs.detach()
+
+    def backward(self, key: Key, grad: Tensor) -> Tensor:
+        held = self._held.pop(key, None)
+        if held is None:
+            raise MissingActivations(key)
+        held.outputs.backward(grad.float())
+        if held.inputs.grad is None:
+            raise RuntimeError(f"no input gradient for microbatch {key}")
+        return held.inputs.grad
+
+    def drop(self, key: Key) -> bool:
+        """Forget a microbatch (aborted); True if it was held."""
+        return self._held.pop(key, None) is not None
+
+    def expired(self, before: float) -> list[Key]:
+        return [key for key, held in self._held.items() if held.created < before]
+
+    def step(self, grad_scale: float) -> float:
+        return self.optimizer.step(grad_scale)
+
+
+class DataWorker:
+    """Stage 0: embed a microbatch, compute its loss at the head, and finish its backward pass."""
+
+    def __init__(self, piece: DataPiece, optimizer: StageOptimizer) -> None:
+        self.piece = piece
+        self.optimizer = optimizer
+        self._embedded: dict[Key, _Held] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._embedded)
+
+    def embed(self, key: Key, tokens: Tensor, now: float) -> Tensor:
+        hidden = self.piece.embed(tokens)
+        self._embedded[key] = _Held(tokens, hidden, now)
+        return hidden.detach()
+
+    def loss_and_grad(self, hidden: Tensor, targets: Tensor, scale: float) -> tuple[float, Tensor]:
+        """Loss at the head for returned activations; backward through the head; the hidden-state gradient.
+
+        `scale` weights this microbatch in the iteration's mean loss (1 / microbatches per iteration).
+        """
+        inputs = hidden.detach().float().requires_grad_(True)
+        loss = self.piece.loss(inputs, targets)
+        (loss * scale).backward()
+        if inputs.grad is None:
+            raise RuntimeError("no gradient at the head")
+        return float(loss.detach()), inputs.grad
+
+    def finish(self, key: Key, grad: Tensor) -> None:
+        """The gradient has come back to the embedding: complete the backward pass."""
+        held = self._embedded.pop(key, None)
+        if held is None:
+            raise MissingActivations(key)
+        held.outputs.backward(grad.float())
+
+    def drop(self, key: Key) -> bool:
+        return self._embedded.pop(key, None) is not None
+
+    def step(self, grad_scale: float = 1.0) -> float:
+        return self.optimizer.step(grad_scale)
+
+
+def check_activations(tensor: Tensor, batch_limit: int, seq_len: int, dim: int) -> str | None:
+    """Why a peer's hidden-state tensor is unacceptable, or None: shape, dtype and finiteness."""
+    if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {tensor.dtype} is not a floating type"
+    if tensor.dim() != 3:
+        return f"expected (batch, seq, dim), got shape {tuple(tensor.shape)}"
+    batch, seq, width = tensor.shape
+    if not (1 <= batch <= batch_limit and 1 <= seq <= seq_len and width == dim):
+        return f"shape {tuple(tensor.shape)} exceeds (<= {batch_limit}, <= {seq_len}, {dim})"
+    if not bool(torch.isfinite(tensor).all()):
+        return "non-finite values"
+    return None

@@ -1,0 +1,166 @@
+"""The run definition: everything a daemon needs to join a run, published by the bootstrap peer.
+
+`swarmnode join --stage K --initial-peers ADDR` reads it from the DHT, so a volunteer passes nothing else.
+It is small (well under the DHT's value limit) and checked field by field when read from the wire.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from swarmnode.presets import get_preset
+
+COMPRESSIONS = ("none", "float16")
+
+
+class RunSpecError(ValueError):
+    """A run definition (file, flags or DHT value) that is missing fields, mistyped or inconsistent."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run. `stages` counts transformer stages; stage ids run from 0 (data stage) to `stages`."""
+
+    run_id: str = "swarm"
+    preset: str = "tiny"
+    stages: int = 3
+    data: str | None = None
+    vocab_size: int = 4096
+    seed: int = 0
+    microbatches: int = 4
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    total_steps: int = 1000
+    max_grad_norm: float = 1.0
+    skip_ratio: float = 0.0
+    node_memory: int = 4
+    checkfree_plus: bool = True
+    noloco_inner_steps: int = 10
+    noloco_alpha: float = 0.5
+    noloco_beta: float = 0.7
+    noloco_gamma: float = 0.7
+    copy_refresh_steps: int = 10
+    compression: str = "none"
+    hop_timeout_s: float = 10.0
+    iteration_timeout_s: float = 30.0
+    record_period_s: float = 1.0
+    record_ttl_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            expected = {"int": int, "float": (int, float), "bool": bool, "str": str}.get(str(field.type))
+            if expected is not None and (
+                not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)
+            ):
+                raise RunSpecError(f"run field {field.name!r} must be {field.type}, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise RunSpecError(f"run field {field.name!r} must be finite, got {value!r}")
+        if not self.run_id or "." in self.run_id or len(self.run_id) > 64:
+            raise RunSpecError(f"run id {self.run_id!r} must be 1-64 characters without '.'")
+        if self.data is not None and not isinstance(self.data, str):
+            raise RunSpecError(f"run field 'data' must be a path string or null, got {self.data!r}")
+        preset = get_preset(self.preset)
+        if self.stages < 1 or preset.model.n_layers % self.stages:
+            raise RunSpecError(
+                f"{preset.model.n_layers} layers of preset {self.preset!r} "
+                f"do not divide into {self.stages} stages"
+            )
+        positive = (
+            "vocab_size",
+            "microbatches",
+            "batch_size",
+            "seq_len",
+            "total_steps",
+            "node_memory",
+            "noloco_inner_steps",
+            "copy_refresh_steps",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise RunSpecError(f"run field {name!r} must be at least 1")
+        for name in (
+            "lr",
+            "max_grad_norm",
+            "hop_timeout_s",
+            "iteration_timeout_s",
+            "record_period_s",
+            "record_ttl_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise RunSpecError(f"run field {name!r} must be positive")
+        if self.seq_len > preset.model.max_seq_len:
+            raise RunSpecError(
+                f"seq_len {self.seq_len} exceeds the preset's context {preset.model.max_seq_len}"
+            )
+        if not 0.0 <= self.skip_ratio < 1.0:
+            raise RunSpecError(f"skip_ratio must be in [0, 1), got {self.skip_ratio}")
+        if self.compression not in COMPRESSIONS:
+            raise RunSpecError(
+                f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
+            )
+        if self.record_ttl_s <= self.record_period_s:
+            raise RunSpecError("record_ttl_s must exceed record_period_s")
+
+    @classmethod
+    def for_preset(cls, preset_name: str, **overrides: Any) -> RunSpec:
+        """A run with the preset's training defaults, then `overrides` (None values are ignored)."""
+        preset = get_preset(preset_name)
+        base = cls(
+            preset=preset_name,
+            stages=preset.n_stages,
+            vocab_size=preset.vocab_size,
+            microbatches=preset.microbatches,
+            batch_size=preset.batch_size,
+            seq_len=preset.seq_len,
+            lr=preset.lr,
+            warmup_steps=preset.warmup_steps,
+        )
+        return base.with_overrides(**overrides)
+
+    def with_overrides(self, **overrides: Any) -> RunSpec:
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: object) -> RunSpec:
+        """Parse a run definition from JSON or the DHT; unknown or mistyped fields raise RunSpecError."""
+        if not isinstance(raw, dict):
+            raise RunSpecError(f"a run definition must be a mapping, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(map(str, raw)) - known)
+        if unknown:
+            raise RunSpecError(f"unknown run field(s): {', '.join(unknown)}")
+        try:
+            return cls(**raw)
+        except (KeyError, TypeError) as error:
+            raise RunSpecError(f"invalid run definition: {error}") from None
+
+    @classmethod
+    def from_file(cls, path: Path) -> RunSpec:
+        try:
+            raw = json.loads(path.read_text())
+        except OSError as error:
+            raise RunSpecError(f"cannot read run file {path}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise RunSpecError(f"run file {path} is not valid JSON: {error}") from None
+        if isinstance(raw, dict) and "preset" in raw:
+            preset_name = raw["preset"]
+            try:
+                base = cls.for_preset(preset_name) if isinstance(preset_name, str) else cls
+            except (KeyError, ValueError) as error:
+                raise RunSpecError(f"run file {path}: {error}") from None
+            if isinstance(base, RunSpec):
+                raw = {**base.to_dict(), **raw}
+        return cls.from_dict(raw)
