@@ -18,6 +18,7 @@ import torch
 from hivemind.p2p import PeerID
 from torch import Tensor
 
+from protocols.checkfree import Recovery
 from protocols.errors import RemoteProtocolError
 from protocols.messages import (
     Abort,
@@ -29,11 +30,15 @@ from protocols.messages import (
     Forward,
     NodeRecord,
     NodeState,
+    StatePart,
+    StateRequest,
+    StateTransfer,
     decode,
     encode,
 )
 from protocols.noloco import OuterConfig
 from swarmnode.dht import SwarmDHT
+from swarmnode.node import recovery, state
 from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
@@ -90,6 +95,14 @@ class Node:
         self._stopping = asyncio.Event()
         self._stepping = False
         self._started = False
+        self.copies: dict[StatePart, state.TensorMap] = {}
+        self.copy_parts: tuple[StatePart, ...] = ()
+        if spec.checkfree_plus and stage >= 1:
+            self.copy_parts = tuple(
+                part
+                for part, holder in ((StatePart.EMBEDDING_COPY, 1), (StatePart.HEAD_COPY, spec.stages))
+                if stage == holder
+            )
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -120,14 +133,21 @@ class Node:
             ("backward", self._on_backward),
             ("abort", self._on_abort),
             ("average", self._on_average),
+            ("state", self._on_state),
+            ("ping", self._on_ping),
         ):
             self.transport.register(method, self._guarded(handler))
         self.compute.start()
         self._started = True
         await self.transport.start()
         await self.refresh_snapshot()
+        self.state = NodeState.RECOVERING
+        await self.publish()
+        await recovery.recover(self)
         self.state = NodeState.ONLINE
         await self.publish()
+        if self.copy_parts:
+            self.spawn(self.refresh_copies(), "copies")
         self._tasks += [
             asyncio.create_task(self._every(self.spec.record_period_s, self.publish), name="publish"),
             asyncio.create_task(self._every(self.spec.record_period_s, self.refresh_snapshot), name="view"),
@@ -184,6 +204,7 @@ class Node:
             grad_norm=self.optimizer.last_grad_norm,
             throughput=self.tokens_processed / busy if busy > 0 else 0.0,
             queue_depth=self.compute.depth,
+            copies=tuple(self.copies),
             microbatches_lost=self.microbatches_lost,
             recovery=self.recovery[0] if self.recovery else None,
             recovery_seconds=self.recovery[1] if self.recovery else None,
@@ -240,6 +261,75 @@ class Node:
         key = (abort.origin, abort.iteration, abort.microbatch)
         await self.on_abort(key, abort.reason)
         return encode(Ack()), []
+
+    async def _on_ping(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        return encode(Ack()), []
+
+    async def _on_state(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        request: StateRequest = self._decode(meta, StateRequest)
+        if request.stage != self.stage:
+            raise Rejected(
+                ErrorCode.WRONG_STAGE, f"state of stage {request.stage} asked from stage {self.stage}"
+            )
+        if self.state != NodeState.ONLINE:
+            raise Rejected(ErrorCode.BUSY, f"this node is {self.state}, not online")
+        header, tensors_out = await self.compute.submit(
+            Priority.STEP, lambda: self._state_parts(request.parts)
+        )
+        return encode(header), tensors_out
+
+    def _state_parts(self, parts: tuple[StatePart, ...]) -> tuple[StateTransfer, list[Tensor]]:
+        """On the compute thread: the requested parts of this node's state, as one manifest."""
+        out: state.TensorMap = {}
+        for part in parts:
+            if part == StatePart.WEIGHTS:
+                out.update(state.weights(self.piece))
+            elif part == StatePart.OPTIMIZER:
+                out.update(
+                    state.optimizer_state(self.piece, self.optimizer, self.outer.phi, self.outer.delta)
+                )
+            elif self.stage == 0:
+                out.update(state.split_piece_copy(state.weights(self.piece), part))
+            elif part in self.copies:
+                out.update(self.copies[part])
+            else:
+                raise Rejected(ErrorCode.BUSY, f"this node holds no {part}")
+        header = StateTransfer(
+            self.spec.run_id,
+            self.stage,
+            parts,
+            self.optimizer.step_count,
+            self.outer.outer_step,
+            self.optimizer.last_grad_norm,
+            state.manifest(out),
+        )
+        return header, list(out.values())
+
+    def load_replica(self, header: StateTransfer, received: state.TensorMap) -> None:
+        """On the compute thread: become a copy of a live replica (weights, Adam moments, NoLoCo state)."""
+        names = {name for name, _ in self.piece.named_parameters()}
+        state.load_weights(self.piece, {n: t for n, t in received.items() if n in names})
+        phi, delta = state.load_optimizer(self.piece, self.optimizer, received)
+        self.outer.phi, self.outer.delta, self.outer.outer_step = phi, delta, header.outer_step
+        self.optimizer.step_count = header.step
+        self.optimizer.last_grad_norm = header.grad_norm
+
+    def load_rebuilt(self, rebuilt: state.TensorMap, plan: Recovery, step: int | None) -> None:
+        """On the compute thread: load rebuilt weights; fresh optimizer with the plan's lr factor."""
+        state.load_weights(self.piece, rebuilt)
+        if plan.reset_optimizer:
+            self.optimizer.reset(plan.lr_factor)
+        if step is not None:
+            self.optimizer.step_count = step
+        self.outer.phi, self.outer.delta = state.weights(self.piece), None
+
+    async def refresh_copies(self) -> None:
+        """CheckFree+: refresh this node's copies of E / E' from a live data node."""
+        for part in self.copy_parts:
+            try:
+                _, self.copies[part] = await recovery.fetch_any(self, 0, (part,))
+            except recovery.RecoveryFailed as error:
+                logger.info("copy refresh failed: %s", error)
 
     async def _on_average(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         request: AveragingRequest = self._decode(meta, AveragingRequest)
@@ -374,6 +464,8 @@ class StageNode(Node):
                 if norm is not None and not math.isfinite(norm):
                     logger.warning("non-finite gradient norm: update skipped")
                 await self.outer_step_if_due()
+                if self.copy_parts and self.optimizer.step_count % self.spec.copy_refresh_steps == 0:
+                    self.spawn(self.refresh_copies(), "copies")
         finally:
             self._stepping = False
 

@@ -16,7 +16,10 @@ from swarmnode.node.daemon import Node, StageNode
 from swarmnode.node.driver import DataNode
 from swarmnode.node.events import emit
 from swarmnode.node.planning import Snapshot
+from swarmnode.node.recovery import answering
+from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
+from swarmnode.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +41,29 @@ class JoinOptions:
     tokenizer: Path | None = None
 
 
-def choose_stage(snapshot: Snapshot, spec: RunSpec) -> int:
-    """`--stage auto`: a stage with no online node first (data stage first), else the transformer stage with
-    the least throughput per replica."""
-    for stage in range(spec.stages + 1):
-        if not snapshot.online(stage):
+def choose_stage(live: dict[int, list[PeerRecord]]) -> int:
+    """`--stage auto`, given the live nodes of every stage: a stage with none first (the data stage first),
+    else the transformer stage with the fewest replicas, then the least throughput per replica."""
+    for stage in sorted(live):
+        if not live[stage]:
             return stage
 
     def per_replica(stage: int) -> float:
-        peers = [p for p in snapshot.stages.get(stage, ()) if p.peer_id in snapshot.online(stage)]
-        return sum(p.record.throughput for p in peers) / len(peers) / len(peers)
+        return sum(p.record.throughput for p in live[stage]) / len(live[stage]) ** 2
 
-    return min(range(1, spec.stages + 1), key=lambda k: (len(snapshot.online(k)), per_replica(k), k))
+    return min((k for k in live if k > 0), key=lambda k: (len(live[k]), per_replica(k), k))
+
+
+async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, list[PeerRecord]]:
+    """Every stage's online records whose peer answers a ping (a dead node's record outlives it)."""
+    snapshot = Snapshot(await dht.read_swarm(spec.stages))
+    transport = Transport(await dht.replicate_p2p())
+    live = {}
+    for stage in range(spec.stages + 1):
+        answering_peers = set(await answering(transport, snapshot.online(stage)))
+        live[stage] = [p for p in snapshot.stages.get(stage, ()) if p.peer_id in answering_peers]
+    await transport.close()
+    return live
 
 
 async def run_join(options: JoinOptions) -> int:
@@ -60,8 +74,7 @@ async def run_join(options: JoinOptions) -> int:
     node: Node | None = None
     try:
         spec = await dht.wait_for_run(RUN_WAIT_S)
-        snapshot = Snapshot(await dht.read_swarm(spec.stages))
-        stage = choose_stage(snapshot, spec) if options.stage is None else options.stage
+        stage = choose_stage(await live_view(dht, spec)) if options.stage is None else options.stage
         if not 0 <= stage <= spec.stages:
             raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
         direct = options.host if options.direct else None
