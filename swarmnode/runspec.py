@@ -69,7 +69,10 @@ class RunSpec:
             raise RunSpecError(f"run id {self.run_id!r} must be 1-64 characters without '.'")
         if self.data is not None and not isinstance(self.data, str):
             raise RunSpecError(f"run field 'data' must be a path string or null, got {self.data!r}")
-        preset = get_preset(self.preset)
+        try:
+            preset = get_preset(self.preset)
+        except ValueError as error:
+            raise RunSpecError(str(error)) from None
         if self.stages < 1 or preset.model.n_layers % self.stages:
             raise RunSpecError(
                 f"{preset.model.n_layers} layers of preset {self.preset!r} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,11 +71,14 @@ async def run_join(options: JoinOptions) -> int:
     """Run one daemon until its data node finishes the run, or until SIGINT/SIGTERM. Returns an exit code."""
     if options.threads:
         torch.set_num_threads(options.threads)
+    started = time.monotonic()
     dht = SwarmDHT(options.run_id, options.initial_peers, options.host, options.port, options.public)
+    emit("joining", phase="dht", seconds=round(time.monotonic() - started, 3))
     node: Node | None = None
     try:
         spec = await dht.wait_for_run(RUN_WAIT_S)
         stage = choose_stage(await live_view(dht, spec)) if options.stage is None else options.stage
+        emit("joining", phase="stage", stage=stage, seconds=round(time.monotonic() - started, 3))
         if not 0 <= stage <= spec.stages:
             raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
         direct = options.host if options.direct else None

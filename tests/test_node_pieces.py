@@ -1,0 +1,213 @@
+"""The daemon's pure pieces: step bookkeeping, planning from DHT records, stage choice, state loading,
+record validation and the run definition."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer
+
+from protocols.messages import NodeRecord, NodeState, StatePart, encode
+from swarmnode.model import ModelConfig, build_stage
+from swarmnode.node.planning import Snapshot, plan_iteration
+from swarmnode.node.run import choose_stage
+from swarmnode.node.state import StateMismatch, load_optimizer, load_weights, optimizer_state, weights
+from swarmnode.node.tracker import StepTracker
+from swarmnode.optim import Schedule, StageOptimizer
+from swarmnode.records import PeerRecord, SwarmRecordValidator, owned_subkey, peer_of_subkey, stage_key
+from swarmnode.runspec import RunSpec, RunSpecError
+
+
+def record(
+    stage: int, state: NodeState = NodeState.ONLINE, step: int = 0, throughput: float = 0.0
+) -> NodeRecord:
+    return NodeRecord(state, stage, step, 0, throughput=throughput)
+
+
+def peers(stage: int, *names: str, **kwargs: float) -> list[PeerRecord]:
+    return [PeerRecord(name, record(stage, **kwargs), 1e12) for name in names]  # type: ignore[arg-type]
+
+
+# ---- step bookkeeping ----------------------------------------------------------------------------------
+
+
+def test_tracker_steps_only_when_every_planned_microbatch_finished() -> None:
+    tracker = StepTracker(expiry_s=30.0)
+    assert tracker.on_forward(("d", 0, 0), expected=2, now=0.0)
+    assert tracker.ready(held=1, now=0.1) is None
+    tracker.on_finished(("d", 0, 0), applied=True)
+    assert tracker.ready(held=0, now=0.2) is None  # the second planned microbatch has not arrived
+    assert tracker.on_forward(("d", 0, 1), expected=2, now=0.3)
+    tracker.on_finished(("d", 0, 1), applied=False)  # aborted
+    decision = tracker.ready(held=0, now=0.4)
+    assert decision is not None and decision.groups == 1 and decision.applied == 1
+
+
+def test_tracker_ignores_duplicates_and_late_messages() -> None:
+    tracker = StepTracker(expiry_s=30.0)
+    assert tracker.on_forward(("d", 0, 0), expected=1, now=0.0)
+    assert not tracker.on_forward(("d", 0, 0), expected=1, now=0.0)  # duplicate
+    tracker.on_finished(("d", 0, 0), applied=True)
+    tracker.on_finished(("d", 0, 0), applied=True)  # never counted twice
+    decision = tracker.ready(held=0, now=1.0)
+    assert decision is not None and decision.applied == 1
+    assert not tracker.on_forward(("d", 0, 5), expected=1, now=2.0)  # the group is closed
+
+
+def test_tracker_expires_groups_that_never_complete() -> None:
+    tracker = StepTracker(expiry_s=5.0)
+    tracker.on_forward(("d", 3, 0), expected=2, now=0.0)
+    tracker.on_finished(("d", 3, 0), applied=True)
+    assert tracker.expire(now=4.0) == []
+    assert tracker.expire(now=6.0) == [("d", 3)]
+    decision = tracker.ready(held=0, now=6.0)
+    assert decision is not None and decision.groups == 1
+
+
+def test_tracker_counts_groups_of_several_data_nodes() -> None:
+    tracker = StepTracker(expiry_s=30.0)
+    for origin in ("a", "b"):
+        tracker.on_forward((origin, 0, 0), expected=1, now=0.0)
+        tracker.on_finished((origin, 0, 0), applied=True)
+    decision = tracker.ready(held=0, now=1.0)
+    assert decision is not None and decision.groups == 2
+
+
+# ---- planning from records ------------------------------------------------------------------------------
+
+
+def snapshot(**stage_peers: tuple[str, ...]) -> Snapshot:
+    return Snapshot({int(k[1:]): peers(int(k[1:]), *names) for k, names in stage_peers.items()})
+
+
+def test_plan_visits_every_live_stage_and_returns_to_the_data_node() -> None:
+    spec = RunSpec(run_id="r", stages=3, microbatches=4, checkfree_plus=False)
+    view = snapshot(s0=("d",), s1=("a",), s2=("b", "b2"), s3=("c",))
+    planned = plan_iteration(view, "d", spec, iteration=0, tokens_per_microbatch=1024)
+    assert len(planned) == 4
+    for mb in planned:
+        assert mb.path[0] == mb.path[-1] == "d"
+        assert sorted(mb.stages[1:-1]) == [1, 2, 3]
+        assert len(mb.visits) == len(mb.path)
+    assert sum(mb.visits[mb.stages.index(1)] for mb in planned) == 4 * 4  # a's count is 4 on every message
+
+
+def test_plan_skips_a_lost_stage() -> None:
+    spec = RunSpec(run_id="r", stages=3, microbatches=2)
+    view = snapshot(s0=("d",), s1=("a",), s3=("c",))
+    planned = plan_iteration(view, "d", spec, iteration=7, tokens_per_microbatch=1024)
+    assert planned and all(2 not in mb.stages for mb in planned)
+
+
+def test_plan_is_empty_without_any_transformer_stage() -> None:
+    spec = RunSpec(run_id="r", stages=3)
+    assert plan_iteration(snapshot(s0=("d",)), "d", spec, iteration=0, tokens_per_microbatch=1) == []
+
+
+def test_checkfree_plus_swaps_edge_stages_in_about_half_the_paths() -> None:
+    spec = RunSpec(run_id="r", stages=6, microbatches=8, checkfree_plus=True, preset="tiny")
+    view = snapshot(s0=("d",), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
+    planned = plan_iteration(view, "d", spec, iteration=1, tokens_per_microbatch=1024)
+    swapped = [mb for mb in planned if mb.stages[1:3] == (2, 1)]
+    assert 2 <= len(swapped) <= 6
+
+
+# ---- stage choice -------------------------------------------------------------------------------------
+
+
+def test_auto_takes_an_empty_stage_first_then_the_least_replicated() -> None:
+    live = {0: peers(0, "d"), 1: peers(1, "a"), 2: [], 3: peers(3, "c")}
+    assert choose_stage(live) == 2
+    live[2] = peers(2, "b", "b2")
+    assert choose_stage(live) in (1, 3)
+    live[1] = peers(1, "a", throughput=10.0) + peers(1, "a2", throughput=10.0)
+    assert choose_stage(live) == 3
+    assert choose_stage({0: [], 1: peers(1, "a")}) == 0
+
+
+# ---- state transfer --------------------------------------------------------------------------------------
+
+
+def tiny_stage() -> tuple[torch.nn.Module, StageOptimizer]:
+    config = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8)
+    module = build_stage(config, 1, 1, seed=3)
+    return module, StageOptimizer(module, Schedule(1e-3, 1, 10))
+
+
+def test_weights_and_optimizer_state_round_trip() -> None:
+    donor, donor_opt = tiny_stage()
+    donor(torch.randn(2, 4, 16)).sum().backward()
+    donor_opt.step()
+    receiver, receiver_opt = tiny_stage()
+    load_weights(receiver, weights(donor))
+    phi, delta = load_optimizer(
+        receiver, receiver_opt, optimizer_state(donor, donor_opt, weights(donor), None)
+    )
+    for (name, a), (_, b) in zip(donor.named_parameters(), receiver.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert torch.equal(donor_opt.adam.state[a]["exp_avg"], receiver_opt.adam.state[b]["exp_avg"])
+        assert torch.equal(phi[name], a.detach())
+    assert delta is None
+
+
+def test_mismatched_or_poisoned_state_is_refused() -> None:
+    module, _ = tiny_stage()
+    good = weights(module)
+    before = {name: t.clone() for name, t in good.items()}
+    name = next(iter(good))
+    with pytest.raises(StateMismatch, match="names"):
+        load_weights(module, {k: v for k, v in good.items() if k != name})
+    with pytest.raises(StateMismatch, match="finite"):
+        load_weights(module, {**good, name: torch.full_like(good[name], math.nan)})
+    with pytest.raises(StateMismatch, match="shape"):
+        load_weights(module, {**good, name: torch.zeros(3)})
+    for key, tensor in weights(module).items():
+        assert torch.equal(tensor, before[key])  # nothing was half-loaded
+
+
+# ---- DHT records ------------------------------------------------------------------------------------------
+
+
+def dht_record(key: str, subkey: bytes, value: object) -> DHTRecord:
+    return DHTRecord(
+        DHTID.generate(source=key).to_bytes(),
+        MSGPackSerializer.dumps(subkey),
+        MSGPackSerializer.dumps(value),
+        1e12,
+    )
+
+
+def test_record_validator_accepts_owned_records_and_rejects_garbage() -> None:
+    validator = SwarmRecordValidator("run")
+    subkey = owned_subkey("12D3KooWpeer", RSASignatureValidator())
+    assert peer_of_subkey(subkey) == "12D3KooWpeer"
+    good = encode(record(2))
+    assert validator.validate(dht_record(stage_key("run", 2), subkey, good))
+    assert not validator.validate(dht_record(stage_key("run", 2), subkey, b"\x93garbage"))
+    assert not validator.validate(dht_record(stage_key("run", 2), b"no-owner", good))
+    assert not validator.validate(dht_record("run.run", subkey, MSGPackSerializer.dumps({"preset": "x"})))
+    assert validator.validate(dht_record("another.key", b"x", b"anything"))  # not ours to judge
+
+
+# ---- run definition ---------------------------------------------------------------------------------------
+
+
+def test_run_spec_round_trips_and_rejects_bad_fields() -> None:
+    spec = RunSpec.for_preset("tiny", total_steps=50, checkfree_plus=False)
+    assert RunSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(RunSpecError, match="unknown"):
+        RunSpec.from_dict({**spec.to_dict(), "evil": 1})
+    with pytest.raises(RunSpecError, match="must be int"):
+        RunSpec.from_dict({**spec.to_dict(), "stages": "3"})
+    with pytest.raises(RunSpecError, match="divide"):
+        RunSpec.from_dict({**spec.to_dict(), "stages": 4})
+    with pytest.raises(RunSpecError):
+        RunSpec.from_dict({**spec.to_dict(), "preset": "gpt-9"})
+    with pytest.raises(RunSpecError, match="finite"):
+        RunSpec.from_dict({**spec.to_dict(), "lr": math.inf})
+    assert StatePart.EMBEDDING_COPY.value == "embedding_copy"
