@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from swarmnode import __version__
+from swarmnode.cli.schedule import schedule
 from swarmnode.cli.swarm import bootstrap, join, status
 from swarmnode.cli.train import train
 
@@ -16,5 +17,5 @@ def main() -> None:
     CheckFree recovery, on a hivemind DHT."""
 
 
-for command in (train, bootstrap, join, status):
+for command in (train, schedule, bootstrap, join, status):
     main.add_command(command)

@@ -1,0 +1,91 @@
+"""The methods SkipPipe is measured against, and a table of every method by name."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+from protocols.errors import LocalProtocolError
+from protocols.skippipe.greedy import greedy_paths
+from protocols.skippipe.plan import Paths, Plan
+from protocols.skippipe.rules import PathRules
+from protocols.skippipe.scheduler import schedule
+from protocols.skippipe.sequences import SequenceSpace
+from protocols.skippipe.simulator import simulate
+from protocols.skippipe.swarm import SwarmView
+
+_TRIES = 8
+
+
+def full_pipeline_plan(view: SwarmView, rules: PathRules) -> Plan:
+    """Every microbatch visits every stage in order over a fixed pipeline per data node (DT-FM-like).
+
+    Data nodes in order each pick one replica per stage by dynamic programming over the round-trip link
+    cost plus the work already given to each replica, so pipelines stay short and spread over the
+    replicas; all microbatches of a data node follow its pipeline. Skips, swaps and CheckFree+ are off.
+    """
+    m = rules.microbatches_per_data_node
+    links, fwd = view.link_s, view.forward_s
+    load = [0.0] * view.n_nodes
+    paths: Paths = {}
+    for i, d in enumerate(view.data_nodes):
+        layer: dict[int, tuple[float, tuple[int, ...]]] = {d: (0.0, ())}
+        for stage in view.stages[1:]:
+            nxt = {}
+            for y in stage:
+                x = min(layer, key=lambda x: layer[x][0] + links[x][y] + links[y][x])
+                nxt[y] = (layer[x][0] + links[x][y] + links[y][x] + load[y], (*layer[x][1], y))
+            layer = nxt
+        _, chain = min(layer.values(), key=lambda c: c[0] + links[c[1][-1]][d] + links[d][c[1][-1]])
+        for y in chain:
+            load[y] += m * (1.0 + view.backward_factor) * fwd[y]
+        paths.update({i * m + j: (d, *chain, d) for j in range(m)})
+    return Plan.simulated(paths, view, rules.memory)
+
+
+def skips_without_collision_awareness(view: SwarmView, rules: PathRules, seed: int) -> Plan:
+    """Random valid skips: the balanced sequences in random order, each stage on a random replica."""
+    rng = random.Random(seed)
+    m = rules.microbatches_per_data_node
+    space = SequenceSpace.of(view.n_stages, rules)
+
+    def draw() -> Paths:
+        chosen = space.balanced(len(view.data_nodes) * m, rng)
+        rng.shuffle(chosen)
+        orders = [rng.choice(space.by_set[kind][stages]) for kind, stages in chosen]
+        return {
+            mb: (d, *(rng.choice(view.stages[stage]) for stage in orders[mb]), d)
+            for i, d in enumerate(view.data_nodes)
+            for mb in range(i * m, (i + 1) * m)
+        }
+
+    return _first_completing(draw, view, rules)
+
+
+def skippipe_without_collision_avoidance(view: SwarmView, rules: PathRules, seed: int) -> Plan:
+    """The same balanced sequences, each microbatch on the path that would be fastest if it were alone in
+    the swarm (ties broken by the seed): SkipPipe with collision avoidance switched off."""
+    rng = random.Random(seed)
+    space = SequenceSpace.of(view.n_stages, rules)
+    return _first_completing(lambda: greedy_paths(view, rules, space, rng, 0.0, aware=False), view, rules)
+
+
+def _first_completing(draw: Callable[[], Paths], view: SwarmView, rules: PathRules) -> Plan:
+    for _ in range(_TRIES):
+        paths = draw()
+        result = simulate(paths, view, rules.memory)
+        if not result.stuck:
+            return Plan(paths, result.iteration_time_s, result.collisions)
+    raise LocalProtocolError(f"every drawn plan deadlocks with {rules.memory} memory slots per node")
+
+
+METHODS: Mapping[str, Callable[[SwarmView, PathRules, int], Plan]] = MappingProxyType(
+    {
+        "full_pipeline": lambda view, rules, seed: full_pipeline_plan(view, rules),
+        "skips_without_collision_awareness": skips_without_collision_awareness,
+        "skippipe_without_collision_avoidance": skippipe_without_collision_avoidance,
+        "skippipe": schedule,
+    }
+)
+"""Every method by name, each called as `method(view, rules, seed)`; `full_pipeline` ignores the seed."""

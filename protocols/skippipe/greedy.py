@@ -1,0 +1,247 @@
+"""Time-aware list scheduling: one construction pass of the planner.
+
+Microbatches are planned one at a time, in order of their release at the data nodes (a data node
+launches its next microbatch when its embedding is done and it holds fewer than `memory` microbatches),
+or data node after data node, the one with the slowest unloaded round trip first. Each microbatch takes,
+among the stage orders still open to it that are fastest in an idle swarm (`Shortlist`), the order and
+the replica per stage whose round trip ends earliest given the busy intervals already reserved on the
+nodes; a forward dynamic programme over the replicas keeps this to a few interval look-ups per order.
+Paths that would overflow a node's memory are avoided unless they finish much earlier. Near-ties (within
+`slack`) are broken by the seeded generator.
+
+Balanced coverage (rule 5) is kept by always holding a completion: stage sets for the microbatches still
+to plan that balance the stage visits. A candidate from that completion is always acceptable; any other
+is taken only if a new completion is found with it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from protocols.errors import LocalProtocolError
+from protocols.skippipe.plan import Paths
+from protocols.skippipe.rules import PathRules
+from protocols.skippipe.sequences import Order, SequenceSpace
+from protocols.skippipe.swarm import SwarmView
+from protocols.skippipe.timeline import Timeline
+
+Completion = list[tuple[int, frozenset[int]]]  # (kind, stage set) per microbatch still to plan
+_FIT_MARGIN = 1.25  # a path that fits in memory is preferred unless it finishes this much later
+_MAX_MISSES = 3  # candidates outside the completion tried per microbatch before keeping to it
+
+
+@dataclass
+class _Candidate:
+    finish: float
+    kind: int
+    stages: frozenset[int]
+    nodes: tuple[int, ...]
+    tasks: list[tuple[int, float, float]]  # node, start, end
+    holds: list[tuple[int, float, float]]  # node, forward start, backward end
+
+
+@dataclass(frozen=True)
+class Shortlist:
+    """Per data node and path kind, the allowed orders by unloaded round trip, fastest first.
+
+    A microbatch is routed along the `size` fastest orders of each kind still open to it, plus the
+    fastest order of each stage set of the current completion, instead of along every order.
+    """
+
+    ranked: Mapping[tuple[int, int], tuple[Order, ...]]
+    round_trip: Mapping[int, float]
+    size: int = 16
+
+    @classmethod
+    def of(cls, view: SwarmView, space: SequenceSpace) -> Shortlist:
+        """Rank by exact unloaded round trip: links both ways plus forward and backward compute."""
+        links, fwd, work = view.link_s, view.forward_s, 1.0 + view.backward_factor
+        ranked, best = {}, {}
+        for d in view.data_nodes:
+            for kind, orders in enumerate(space.kinds):
+                costs = []
+                for order in sorted(orders):
+                    layer = {d: 0.0}
+                    for stage in order:
+                        layer = {
+                            y: min(t + links[x][y] + links[y][x] for x, t in layer.items()) + work * fwd[y]
+                            for y in view.stages[stage]
+                        }
+                    costs.append((min(t + links[y][d] + links[d][y] for y, t in layer.items()), order))
+                costs.sort()
+                ranked[(d, kind)] = tuple(order for _, order in costs)
+                if kind == 0:
+                    best[d] = costs[0][0] + (work + view.head_factor) * fwd[d]
+        return cls(MappingProxyType(ranked), MappingProxyType(best))
+
+    def options(self, d: int, completion: Completion) -> list[tuple[int, Order]]:
+        """(kind, order) pairs to route a microbatch of data node d along."""
+        chosen = []
+        for kind in sorted({kind for kind, _ in completion}):
+            ranked = self.ranked[(d, kind)]
+            chosen += [(kind, order) for order in ranked[: self.size]]
+            for stages in {s for k, s in completion if k == kind}:
+                chosen.append((kind, next(order for order in ranked if frozenset(order) == stages)))
+        return sorted(set(chosen))
+
+
+def greedy_paths(
+    view: SwarmView,
+    rules: PathRules,
+    space: SequenceSpace,
+    rng: random.Random,
+    slack: float,
+    *,
+    aware: bool,
+    critical_first: bool = False,
+    shortlist: Shortlist | None = None,
+) -> Paths:
+    """One construction pass. With `aware` False every node looks idle when timing a path (no collision
+    avoidance); memory is still minded, with each path's holds timed as if it were alone."""
+    shortlist = shortlist or Shortlist.of(view, space)
+    planner = _Planner(view, rules, space, rng, slack, aware, shortlist)
+    m = rules.microbatches_per_data_node
+    data_nodes = view.data_nodes
+    rank = [0.0] * len(data_nodes)
+    if critical_first:
+        rank = [-shortlist.round_trip[d] * (1.0 + 0.2 * rng.random()) for d in data_nodes]
+    finishes: list[list[float]] = [[] for _ in data_nodes]
+    pending = [(0.0, i) for i in range(len(data_nodes))]
+    paths: Paths = {}
+    while pending:
+        pending.sort(
+            key=(lambda p: (rank[p[1]], p[0])) if critical_first else (lambda p: (p[0], rank[p[1]], p[1]))
+        )
+        release, i = pending.pop(0)
+        d = data_nodes[i]
+        chosen = planner.plan(d, release)
+        paths[i * m + len(finishes[i])] = (d, *chosen.nodes, d)
+        finishes[i].append(chosen.finish)
+        if len(finishes[i]) < m:
+            ends = sorted(finishes[i])
+            slot_free = ends[len(ends) - rules.memory] if len(ends) >= rules.memory else 0.0
+            pending.append((max(chosen.tasks[0][2], slot_free), i))
+    return paths
+
+
+class _Planner:
+    """Reservation tables, stage visit counts and the balanced completion, updated per microbatch."""
+
+    def __init__(
+        self,
+        view: SwarmView,
+        rules: PathRules,
+        space: SequenceSpace,
+        rng: random.Random,
+        slack: float,
+        aware: bool,
+        shortlist: Shortlist,
+    ) -> None:
+        self.view = view
+        self.shortlist = shortlist
+        self.memory = rules.memory
+        self.space = space
+        self.rng = rng
+        self.slack = slack
+        self.aware = aware
+        self.n_mb = len(view.data_nodes) * rules.microbatches_per_data_node
+        self.completion: Completion = space.balanced(self.n_mb, rng)
+        self.counts = [0] * (view.n_stages + 1)
+        self.timelines = [Timeline() for _ in range(view.n_nodes)]
+        self.idle = Timeline()
+
+    def plan(self, d: int, release: float) -> _Candidate:
+        """Choose and reserve the path of data node d's microbatch released at `release`."""
+        options = [
+            c
+            for kind, order in self.shortlist.options(d, self.completion)
+            for c in self._route(d, kind, order, release, idle=not self.aware)
+        ]
+        chosen = self._choose(options)
+        for stage in chosen.stages:
+            self.counts[stage] += 1
+        for node, start, end in chosen.tasks:
+            self.timelines[node].reserve(start, end)
+        for node, start, end in chosen.holds:
+            self.timelines[node].holds.append((start, end))
+        return chosen
+
+    def _route(self, d: int, kind: int, order: Order, release: float, *, idle: bool) -> list[_Candidate]:
+        """For each replica of the last stage, the earliest-finishing forward chain and its round trip."""
+        view, memory = self.view, self.memory
+        fwd, links = view.forward_s, view.link_s
+
+        def look(node: int) -> Timeline:
+            return self.idle if idle else self.timelines[node]
+
+        start = look(d).earliest_start(release, fwd[d])
+        layer: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {d: (start + fwd[d], ())}
+        for stage in order:
+            nxt = {}
+            for y in view.stages[stage]:
+                x = min(layer, key=lambda x: layer[x][0] + links[x][y])
+                ready = look(y).slot_free(layer[x][0] + links[x][y], memory)
+                begin = look(y).earliest_start(ready, fwd[y])
+                nxt[y] = (begin + fwd[y], (*layer[x][1], (y, begin)))
+            layer = nxt
+        out = []
+        for last, (t, chain) in layer.items():
+            tasks = [(d, start, start + fwd[d])] + [(y, s, s + fwd[y]) for y, s in chain]
+            head = view.head_factor * fwd[d]
+            begin = look(d).earliest_start(t + links[last][d], head)
+            t, here = begin + head, d
+            tasks.append((d, begin, t))
+            holds = []
+            for y, forward_start in reversed(chain):
+                duration = view.backward_factor * fwd[y]
+                begin = look(y).earliest_start(t + links[here][y], duration)
+                t, here = begin + duration, y
+                tasks.append((y, begin, t))
+                holds.append((y, forward_start, t))
+            duration = view.backward_factor * fwd[d]
+            begin = look(d).earliest_start(t + links[here][d], duration)
+            tasks.append((d, begin, begin + duration))
+            nodes = tuple(y for y, _ in chain)
+            out.append(_Candidate(begin + duration, kind, frozenset(order), nodes, tasks, holds))
+        return out
+
+    def _fits(self, c: _Candidate) -> bool:
+        return all(self.timelines[y].holders(a, b) < self.memory for y, a, b in c.holds)
+
+    def _choose(self, candidates: list[_Candidate]) -> _Candidate:
+        """The earliest finisher (a random one within `slack`), preferring paths that fit in memory, whose
+        stage set keeps a balanced completion; one from the current completion always qualifies."""
+        limit = min(c.finish for c in candidates) * _FIT_MARGIN
+        ranked = sorted(
+            ((not (c.finish <= limit and self._fits(c)), c.finish, i) for i, c in enumerate(candidates))
+        )
+        misses = 0
+        while ranked:
+            worse, finish, _ = ranked[0]
+            near = [r for r in ranked if r[0] == worse and r[1] <= finish * (1.0 + self.slack) + 1e-9]
+            entry = near[self.rng.randrange(len(near))]
+            pick = candidates[entry[2]]
+            if (pick.kind, pick.stages) in self.completion:
+                self.completion.remove((pick.kind, pick.stages))
+                return pick
+            if misses < _MAX_MISSES and self._rebalanced(pick):
+                return pick
+            misses += 1
+            ranked.remove(entry)
+        raise LocalProtocolError("no path keeps stage coverage balanced")  # unreachable: see module docstring
+
+    def _rebalanced(self, pick: _Candidate) -> bool:
+        """Whether a new balanced completion exists with `pick`'s stage set (then it replaces the old)."""
+        kinds = [kind for kind, _ in self.completion]
+        kinds.remove(pick.kind)
+        counts = list(self.counts)
+        for stage in pick.stages:
+            counts[stage] += 1
+        sets = self.space.fill(kinds, counts, self.n_mb, self.rng)
+        if sets is None:
+            return False
+        self.completion = list(zip(kinds, sets, strict=True))
+        return True

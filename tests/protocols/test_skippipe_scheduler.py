@@ -1,0 +1,186 @@
+"""SkipPipe scheduler and baselines: valid on random swarms, deterministic, CheckFree+, spread, speed-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocols.errors import LocalProtocolError
+from protocols.skippipe import (
+    METHODS,
+    PathRules,
+    SwarmView,
+    full_pipeline_plan,
+    is_checkfree_plus,
+    scenario_from_dict,
+    schedule,
+    skips_without_collision_awareness,
+    validate_plan,
+)
+
+SCENARIO = Path(__file__).parents[2] / "benchmarks" / "data" / "gcp12_links.json"
+QUICK = {"restarts": 2, "rounds": 30}
+
+
+def random_view(rng: random.Random, data_nodes: int, sizes: list[int]) -> SwarmView:
+    ids = list(range(data_nodes + sum(sizes)))
+    rng.shuffle(ids)
+    stages, start = [], 0
+    for size in (data_nodes, *sizes):
+        stages.append(ids[start : start + size])
+        start += size
+    place = [(rng.random(), rng.random()) for _ in ids]
+    forward = [rng.uniform(0.05, 2.0) for _ in ids]
+    return SwarmView.build(
+        stages, forward, lambda a, b: 0.05 + 2 * abs(place[a][0] - place[b][0]) + place[b][1]
+    )
+
+
+@st.composite
+def swarms(draw: st.DrawFn) -> tuple[SwarmView, PathRules, int]:
+    seed = draw(st.integers(0, 2**16))
+    sizes = draw(st.lists(st.integers(1, 3), min_size=2, max_size=6))
+    view = random_view(random.Random(seed), draw(st.integers(1, 2)), sizes)
+    rules = PathRules(
+        microbatches_per_data_node=draw(st.integers(1, 6)),
+        skip_ratio=draw(st.sampled_from([0.0, 0.2, 0.34, 0.5])),
+        memory=draw(st.integers(1, 3)),
+        checkfree_plus_share=draw(st.sampled_from([0.0, 0.5])),
+    )
+    return view, rules, seed
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(swarms())
+def test_plans_on_random_swarms_pass_the_validator(case: tuple[SwarmView, PathRules, int]) -> None:
+    view, rules, seed = case
+    plan = schedule(view, rules, seed, **QUICK)
+    assert validate_plan(plan, view, rules) == []
+    assert len(plan.paths) == len(view.data_nodes) * rules.microbatches_per_data_node
+    assert validate_plan(skips_without_collision_awareness(view, rules, seed), view, rules) == []
+    full_rules = dataclasses.replace(rules, skip_ratio=0.0, checkfree_plus_share=0.0)
+    assert validate_plan(full_pipeline_plan(view, rules), view, full_rules) == []
+
+
+def small_swarm() -> tuple[SwarmView, PathRules]:
+    view = random_view(random.Random(7), 2, [3, 2, 3, 2])
+    return view, PathRules(microbatches_per_data_node=4, skip_ratio=0.5, memory=2)
+
+
+def test_deterministic_for_a_seed() -> None:
+    view, rules = small_swarm()
+    assert schedule(view, rules, 3, **QUICK) == schedule(view, rules, 3, **QUICK)
+    assert len({tuple(schedule(view, rules, seed, **QUICK).paths.items()) for seed in range(4)}) > 1
+
+
+@pytest.mark.parametrize(("mixing", "iterations"), [(1.0, 6), (PathRules(1).replica_mixing, 20)])
+def test_data_nodes_reach_several_replicas_over_iterations(mixing: float, iterations: int) -> None:
+    view, rules = small_swarm()
+    rules = dataclasses.replace(rules, skip_ratio=0.25, replica_mixing=mixing)  # 3 of 4 stages per path
+    reached: dict[tuple[int, int], set[int]] = {}
+    for seed in range(iterations):
+        for path in schedule(view, rules, seed, **QUICK).paths.values():
+            for node in path[1:-1]:
+                reached.setdefault((path[0], view.stage_of[node]), set()).add(node)
+    assert len(reached) == 2 * 4
+    for (data, stage), nodes in reached.items():
+        assert len(nodes) > 1, f"data node {data} always used the same replica of stage {stage}"
+
+
+def stage_orders(view: SwarmView, plan_paths: dict[int, tuple[int, ...]]) -> list[tuple[int, ...]]:
+    return [tuple(view.stage_of[v] for v in path[1:-1]) for path in plan_paths.values()]
+
+
+def test_checkfree_plus_swaps_both_edge_pairs_for_its_share() -> None:
+    view = random_view(random.Random(1), 2, [2, 1, 2, 1, 2])
+    rules = PathRules(microbatches_per_data_node=6, checkfree_plus_share=0.5)
+    plan = schedule(view, rules, 0, **QUICK)
+    assert validate_plan(plan, view, rules) == []
+    orders = stage_orders(view, dict(plan.paths))
+    assert orders.count((2, 1, 3, 5, 4)) == 6
+    assert sum(is_checkfree_plus(order, 5) for order in orders) == 6
+
+
+def test_checkfree_plus_with_skips_keeps_coverage_balanced() -> None:
+    view = random_view(random.Random(2), 2, [2, 2, 2, 2, 2, 2])
+    rules = PathRules(microbatches_per_data_node=6, skip_ratio=0.34, checkfree_plus_share=0.5)  # 4 of 6
+    plan = schedule(view, rules, 0, **QUICK)
+    assert validate_plan(plan, view, rules) == []
+    swapped = [order for order in stage_orders(view, dict(plan.paths)) if is_checkfree_plus(order, 6)]
+    assert 0 < len(swapped) <= 4  # (2, 1, 6, 5) leaves stages 3 and 4 to the others: at most 4 of 12
+    assert all(order == (2, 1, 6, 5) for order in swapped)
+
+
+def test_checkfree_plus_on_three_stages_alternates_front_and_back_swaps() -> None:
+    view = random_view(random.Random(3), 1, [1, 1, 1])
+    rules = PathRules(microbatches_per_data_node=4, checkfree_plus_share=0.5)
+    plan = schedule(view, rules, 0, **QUICK)
+    assert validate_plan(plan, view, rules) == []
+    assert sorted(stage_orders(view, dict(plan.paths))) == [(1, 2, 3), (1, 2, 3), (1, 3, 2), (2, 1, 3)]
+
+
+def test_single_replica_stages_without_skips() -> None:
+    view = random_view(random.Random(4), 2, [1, 1, 1, 1])
+    rules = PathRules(microbatches_per_data_node=3, memory=1, checkfree_plus_share=0.5)
+    plan = schedule(view, rules, 5, **QUICK)
+    assert validate_plan(plan, view, rules) == []
+    assert all(sorted(order) == [1, 2, 3, 4] for order in stage_orders(view, dict(plan.paths)))
+
+
+def test_full_pipeline_gives_each_data_node_one_ordered_pipeline() -> None:
+    view, rules = small_swarm()
+    plan = full_pipeline_plan(view, rules)
+    for data, group in itertools.groupby(sorted(plan.paths.values()), key=lambda path: path[0]):
+        assert len(set(group)) == 1, f"data node {data} uses more than one pipeline"
+    assert set(stage_orders(view, dict(plan.paths))) == {(1, 2, 3, 4)}
+
+
+def test_reference_scenario_beats_the_full_pipeline() -> None:
+    scenario = scenario_from_dict(json.loads(SCENARIO.read_text()))
+    view, rules = scenario.view, scenario.rules
+    plan = schedule(view, rules, 0, **QUICK)
+    assert validate_plan(plan, view, rules) == []
+    assert plan.iteration_time_s < 0.5 * full_pipeline_plan(view, rules).iteration_time_s
+    assert plan.iteration_time_s < skips_without_collision_awareness(view, rules, 0).iteration_time_s
+
+
+def test_a_clock_budget_cuts_the_search_short() -> None:
+    view, rules = small_swarm()
+    ticks = itertools.count()
+    plan = schedule(view, rules, 0, restarts=50, rounds=10_000, clock=lambda: float(next(ticks)), budget_s=3)
+    assert validate_plan(plan, view, rules) == []
+    assert next(ticks) < 10
+
+
+def test_methods_by_name() -> None:
+    view, rules = small_swarm()
+    assert list(METHODS) == [
+        "full_pipeline",
+        "skips_without_collision_awareness",
+        "skippipe_without_collision_avoidance",
+        "skippipe",
+    ]
+    plans = {name: method(view, rules, 0) for name, method in METHODS.items()}
+    assert (
+        plans["skippipe"].iteration_time_s <= plans["skippipe_without_collision_avoidance"].iteration_time_s
+    )
+
+
+@pytest.mark.parametrize(
+    ("rules", "kwargs"),
+    [
+        (PathRules(microbatches_per_data_node=1, skip_ratio=0.8), {}),  # 1 of 5 stages: stage 5 unreachable
+        (PathRules(microbatches_per_data_node=1), {"restarts": 0}),
+    ],
+)
+def test_impossible_requests_raise(rules: PathRules, kwargs: dict) -> None:
+    view = random_view(random.Random(5), 1, [1, 1, 1, 1, 1])
+    with pytest.raises(LocalProtocolError):
+        schedule(view, rules, 0, **kwargs)
