@@ -152,6 +152,7 @@ def _shard(value: str | None) -> tuple[int, int]:
 @click.option(
     "--tokenizer", type=click.Path(path_type=Path), default=None, help="Data nodes: a tokenizer.json."
 )
+@click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
 @click.option("-v", "--verbose", is_flag=True)
 def join(
     stage: str,
@@ -164,6 +165,7 @@ def join(
     threads: int | None,
     shard: str | None,
     tokenizer: Path | None,
+    dump_recovery: Path | None,
     verbose: bool,
 ) -> None:
     """Run one daemon serving a stage of the run the initial peers belong to."""
@@ -184,6 +186,7 @@ def join(
         shard_index=shard_index,
         shard_count=shard_count,
         tokenizer=tokenizer,
+        dump_recovery=dump_recovery,
     )
     try:
         code = _run_async(run_join(options))

@@ -13,6 +13,7 @@ import math
 import random
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from hivemind.p2p import PeerID
@@ -70,6 +71,7 @@ class Node:
     """State and handlers shared by every node; `StageNode` and `DataNode` add their stage's work."""
 
     def __init__(self, spec: RunSpec, stage: int, dht: SwarmDHT, direct_host: str | None) -> None:
+        self.dump_dir: Path | None = None  # where a recovery writes its evidence (tests, debugging)
         self.spec = spec
         self.stage = stage
         self.dht = dht

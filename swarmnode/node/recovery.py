@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 from hivemind.p2p import PeerID
 
 from protocols.checkfree import (
@@ -95,8 +96,9 @@ def swarm_has_trained(node: Node) -> bool:
     return any(peer.record.step > 0 for peers in node.snapshot.stages.values() for peer in peers)
 
 
-async def obtain_state(node: Node) -> Recovery | None:
-    """Give `node` its stage's state before it goes online; the plan it followed (None: a fresh start)."""
+async def obtain_state(node: Node) -> tuple[Recovery, dict[str, Any]] | None:
+    """Give `node` its stage's state before it goes online. Returns the plan it followed and the evidence
+    (the sources' tensors and grad norms, and what was loaded); None for a fresh start."""
     spec = node.spec
     if not swarm_has_trained(node):
         return None
@@ -119,18 +121,19 @@ async def obtain_state(node: Node) -> Recovery | None:
         parts = (StatePart.WEIGHTS, StatePart.OPTIMIZER)
         header, tensors = await fetch_any(node, node.stage, parts)
         await node.compute.submit(Priority.STEP, lambda: node.load_replica(header, tensors))
-        return plan
+        return plan, {"sources": [_evidence(header, tensors)], "loaded": tensors}
     if plan.method == Method.REINIT:
-        return plan
+        return plan, {"sources": [], "loaded": {}}
     if plan.method == Method.EMBEDDING_COPY:
-        _, embedding = await fetch_any(node, plan.sources[0], (StatePart.EMBEDDING_COPY,))
-        _, head = await fetch_any(node, plan.sources[1], (StatePart.HEAD_COPY,))
+        embedding_header, embedding = await fetch_any(node, plan.sources[0], (StatePart.EMBEDDING_COPY,))
+        head_header, head = await fetch_any(node, plan.sources[1], (StatePart.HEAD_COPY,))
         restored = restore_embeddings(
             {state.EMBEDDING_PREFIX + k: v for k, v in embedding.items()},
             {state.HEAD_PREFIX + k: v for k, v in head.items()},
         )
         await node.compute.submit(Priority.STEP, lambda: node.load_rebuilt(restored, plan, step=None))
-        return plan
+        evidence = [_evidence(embedding_header, embedding), _evidence(head_header, head)]
+        return plan, {"sources": evidence, "loaded": restored}
     sources = [await fetch_any(node, source, (StatePart.WEIGHTS,)) for source in plan.sources]
     if plan.method == Method.CHECKFREE:
         (prev_header, prev), (next_header, following) = sources
@@ -139,16 +142,27 @@ async def obtain_state(node: Node) -> Recovery | None:
         rebuilt = copy_partner(sources[0][1])
     step = max(header.step for header, _ in sources)
     await node.compute.submit(Priority.STEP, lambda: node.load_rebuilt(rebuilt, plan, step=step))
-    return plan
+    return plan, {"sources": [_evidence(header, tensors) for header, tensors in sources], "loaded": rebuilt}
+
+
+def _evidence(header: StateTransfer, tensors: state.TensorMap) -> dict[str, Any]:
+    return {"stage": header.stage, "step": header.step, "grad_norm": header.grad_norm, "tensors": tensors}
 
 
 async def recover(node: Node) -> None:
     """Run `obtain_state` and report it: a `recovered` event and the record's recovery fields."""
     started = time.monotonic()
-    plan = await obtain_state(node)
-    if plan is None:
+    outcome = await obtain_state(node)
+    if outcome is None:
         return
+    plan, evidence = outcome
     seconds = time.monotonic() - started
+    if node.dump_dir is not None:
+        node.dump_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {"stage": node.stage, "method": str(plan.method), **evidence},
+            node.dump_dir / f"recovery-stage{node.stage}-{node.me[-8:]}.pt",
+        )
     node.recovery = (str(plan.method), seconds)
     if plan.method == Method.REINIT:
         logger.warning("%s", plan.reason)

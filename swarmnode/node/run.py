@@ -40,6 +40,7 @@ class JoinOptions:
     shard_index: int = 0
     shard_count: int = 1
     tokenizer: Path | None = None
+    dump_recovery: Path | None = None
 
 
 def choose_stage(live: dict[int, list[PeerRecord]]) -> int:
@@ -91,6 +92,7 @@ async def run_join(options: JoinOptions) -> int:
             node = DataNode(spec, dht, direct, corpus, options.shard_index, options.shard_count)
         else:
             node = StageNode(spec, stage, dht, direct)
+        node.dump_dir = options.dump_recovery
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, node.stop)
