@@ -146,11 +146,18 @@ def _shard(value: str | None) -> tuple[int, int]:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True)
 @click.option("--public", is_flag=True, help="Opt in to NAT port mapping (real deployments only).")
-@click.option("--no-direct", is_flag=True, help="Send tensors through p2pd only (no direct TCP path).")
+@click.option(
+    "--direct/--no-direct",
+    default=None,
+    help="Also send tensors over plain TCP to peers that offer it (default: only on loopback).",
+)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch threads for this node.")
 @click.option("--shard", default=None, help="Data nodes: the shard I/K of the training data to read.")
 @click.option(
     "--tokenizer", type=click.Path(path_type=Path), default=None, help="Data nodes: a tokenizer.json."
+)
+@click.option(
+    "--rebalance", is_flag=True, help="Move to a stage that lost all its nodes if this one has spares."
 )
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
 @click.option("-v", "--verbose", is_flag=True)
@@ -161,10 +168,11 @@ def join(
     host: str,
     port: int,
     public: bool,
-    no_direct: bool,
+    direct: bool | None,
     threads: int | None,
     shard: str | None,
     tokenizer: Path | None,
+    rebalance: bool,
     dump_recovery: Path | None,
     verbose: bool,
 ) -> None:
@@ -181,12 +189,13 @@ def join(
         host=host,
         port=port,
         public=public,
-        direct=not no_direct,
+        direct=direct if direct is not None else host in ("127.0.0.1", "localhost", "::1"),
         threads=threads,
         shard_index=shard_index,
         shard_count=shard_count,
         tokenizer=tokenizer,
         dump_recovery=dump_recovery,
+        rebalance=rebalance,
     )
     try:
         code = _run_async(run_join(options))

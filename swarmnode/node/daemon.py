@@ -56,6 +56,7 @@ from swarmnode.transport import Compression, Transport, TransportConfig
 logger = logging.getLogger(__name__)
 
 BAN_SECONDS = 60.0
+REBALANCE_S = 5.0
 
 
 class Rejected(Exception):
@@ -97,6 +98,7 @@ class Node:
         self._stopping = asyncio.Event()
         self._stepping = False
         self._started = False
+        self.move_to: int | None = None  # set when this node decides to leave for a lost stage
         self.copies: dict[StatePart, state.TensorMap] = {}
         self.copy_parts: tuple[StatePart, ...] = ()
         if spec.checkfree_plus and stage >= 1:
@@ -383,10 +385,38 @@ class Node:
 class StageNode(Node):
     """A node of transformer stage k >= 1: forward and backward passes for the microbatches routed here."""
 
-    def __init__(self, spec: RunSpec, stage: int, dht: SwarmDHT, direct_host: str | None) -> None:
+    def __init__(
+        self, spec: RunSpec, stage: int, dht: SwarmDHT, direct_host: str | None, rebalance: bool = False
+    ) -> None:
         super().__init__(spec, stage, dht, direct_host)
         self.worker = StageWorker(self.piece, self.optimizer)
         self.tracker = StepTracker(spec.iteration_timeout_s)
+        self.rebalance = rebalance
+
+    async def start(self) -> None:
+        await super().start()
+        if self.rebalance:
+            self._tasks.append(
+                asyncio.create_task(self._every(REBALANCE_S, self.consider_moving), name="rebalance")
+            )
+
+    async def consider_moving(self) -> None:
+        """Move to a transformer stage with no live node if this stage keeps another live replica.
+
+        A random delay, then a second look, keeps two spare nodes from both moving at once most of the time
+        (if they do, the rebuilt stage simply has two replicas)."""
+        if not await self._lost_stages():
+            return
+        await asyncio.sleep(self.rng.uniform(0.0, REBALANCE_S / 2))
+        lost = await self._lost_stages()
+        if lost and await recovery.live_peers(self, self.stage):
+            self.move_to = lost[0]
+            logger.warning("stage %d lost; moving there from over-replicated stage %d", lost[0], self.stage)
+            self.stop()
+
+    async def _lost_stages(self) -> list[int]:
+        stages = [k for k in range(1, self.spec.stages + 1) if k != self.stage]
+        return [k for k in stages if not await recovery.live_peers(self, k)]
 
     async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         message: Forward = self._decode(meta, Forward)

@@ -41,6 +41,7 @@ class JoinOptions:
     shard_count: int = 1
     tokenizer: Path | None = None
     dump_recovery: Path | None = None
+    rebalance: bool = False
 
 
 def choose_stage(live: dict[int, list[PeerRecord]]) -> int:
@@ -69,55 +70,74 @@ async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, list[PeerRecord]]
 
 
 async def run_join(options: JoinOptions) -> int:
-    """Run one daemon until its data node finishes the run, or until SIGINT/SIGTERM. Returns an exit code."""
+    """Run one daemon until its data node finishes the run, or until SIGINT/SIGTERM. Returns an exit code.
+
+    With `options.rebalance`, a transformer-stage node whose stage has another live replica moves to a stage
+    that has lost all its nodes (it leaves, then rejoins that stage and rebuilds it).
+    """
     if options.threads:
         torch.set_num_threads(options.threads)
     started = time.monotonic()
     dht = SwarmDHT(options.run_id, options.initial_peers, options.host, options.port, options.public)
     emit("joining", phase="dht", seconds=round(time.monotonic() - started, 3))
-    node: Node | None = None
     try:
         spec = await dht.wait_for_run(RUN_WAIT_S)
         stage = choose_stage(await live_view(dht, spec)) if options.stage is None else options.stage
         emit("joining", phase="stage", stage=stage, seconds=round(time.monotonic() - started, 3))
         if not 0 <= stage <= spec.stages:
             raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
-        direct = options.host if options.direct else None
-        if stage == 0:
-            corpus = load_corpus(spec.data, options.tokenizer, spec.vocab_size)
-            if corpus.vocab_size != spec.vocab_size:
-                raise ValueError(
-                    f"this node's tokenizer has {corpus.vocab_size} tokens, the run's model {spec.vocab_size}"
-                )
-            node = DataNode(spec, dht, direct, corpus, options.shard_index, options.shard_count)
-        else:
-            node = StageNode(spec, stage, dht, direct)
-        node.dump_dir = options.dump_recovery
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, node.stop)
-        await node.start()
-        if isinstance(node, DataNode):
-            trainer = asyncio.create_task(node.train())
-            stopper = asyncio.create_task(node.wait())
-            await asyncio.wait({trainer, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if trainer.done():
-                trainer.result()
-                emit(
-                    "finished",
-                    step=node.optimizer.step_count,
-                    loss=node.last_loss,
-                    val_loss=node.val_loss,
-                    microbatches_lost=node.microbatches_lost,
-                )
-            else:
-                trainer.cancel()
-                await asyncio.gather(trainer, return_exceptions=True)
-        else:
-            await node.wait()
+        next_stage: int | None = stage
+        while next_stage is not None:
+            node = _build_node(options, spec, dht, next_stage)
+            try:
+                await _serve(node)
+            finally:
+                await node.close()
+            next_stage = node.move_to
+            if next_stage is not None:
+                emit("moving", from_stage=node.stage, to_stage=next_stage)
         return 0
     finally:
-        if node is not None:
-            await node.close()
         dht.shutdown()
+
+
+def _build_node(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) -> Node:
+    direct = options.host if options.direct else None
+    if stage == 0:
+        corpus = load_corpus(spec.data, options.tokenizer, spec.vocab_size)
+        if corpus.vocab_size != spec.vocab_size:
+            raise ValueError(
+                f"this node's tokenizer has {corpus.vocab_size} tokens, the run's model {spec.vocab_size}"
+            )
+        node: Node = DataNode(spec, dht, direct, corpus, options.shard_index, options.shard_count)
+    else:
+        node = StageNode(spec, stage, dht, direct, rebalance=options.rebalance)
+    node.dump_dir = options.dump_recovery
+    return node
+
+
+async def _serve(node: Node) -> None:
+    """Start `node` and run it until it finishes (data node), is stopped by a signal, or decides to move."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, node.stop)
+    await node.start()
+    if not isinstance(node, DataNode):
+        await node.wait()
+        return
+    trainer = asyncio.create_task(node.train())
+    stopper = asyncio.create_task(node.wait())
+    await asyncio.wait({trainer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if trainer.done():
+        trainer.result()
+        emit(
+            "finished",
+            step=node.optimizer.step_count,
+            loss=node.last_loss,
+            val_loss=node.val_loss,
+            microbatches_lost=node.microbatches_lost,
+        )
+    else:
+        trainer.cancel()
+        await asyncio.gather(trainer, return_exceptions=True)

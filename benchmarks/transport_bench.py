@@ -1,0 +1,301 @@
+"""Side-by-side cost of pushing one fp32 activation to another process and getting a small ack back.
+
+Candidates, all between two OS processes on loopback (each with its own p2pd where libp2p is involved):
+
+- hivemind unary:   `call_protobuf_handler` with an `ExpertRequest` (hivemind.compression); capped at 4 MiB.
+- hivemind stream:  `iterate_protobuf_handler`, the tensor split by `split_for_streaming` (64 KiB parts).
+- libp2p per call:  swarmnode framing on a fresh raw libp2p stream per call (`call_binary_stream_handler`).
+- swarmnode libp2p: `swarmnode.transport.Transport` (default): persistent, pooled libp2p streams.
+- swarmnode direct: `Transport` with `direct_host`: a direct TCP stream granted over libp2p, pooled.
+- plain TCP:        swarmnode framing on one persistent asyncio TCP connection: the loopback ceiling.
+
+Each runs with the tensor as float32 and as float16 on the wire (hivemind's FLOAT16); MiB/s counts the fp32
+size; CPU is that of both processes and both p2pd together. Run `python benchmarks/transport_bench.py`
+(about a minute; `--quick`: a few seconds). The machine is noisy: expect 30% differences between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+import uvloop
+from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto.runtime_pb2 import CompressionType, ExpertRequest, ExpertResponse
+from hivemind.utils.asyncio import as_aiter
+from hivemind.utils.streaming import split_for_streaming
+
+from swarmnode.transport import Compression, Limits, Transport, TransportConfig
+from swarmnode.transport._framing import encode_request, encode_response, read_frame, write_frame
+
+SIZES = (16, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
+UNARY_CAP = 4 << 20
+HOST = ["/ip4/127.0.0.1/tcp/0"]
+OPTIONS = (
+    "hivemind unary",
+    "hivemind stream",
+    "libp2p per call",
+    "swarmnode libp2p",
+    "swarmnode direct",
+    "plain TCP",
+)
+CONFIG = TransportConfig(limits=Limits(max_message_bytes=1 << 30))
+DIRECT = dataclasses.replace(CONFIG, direct_host="127.0.0.1")
+
+Push = Callable[[torch.Tensor, Compression], Awaitable[None]]
+
+
+@dataclass
+class Cell:
+    seconds: float  # median wall seconds per push
+    cpu_seconds: float  # mean CPU seconds per push, both processes and both p2pd together
+
+
+Results = dict[tuple[str, Compression, int], Cell | None]  # None: over the unary cap
+
+
+# ---- the server process ---------------------------------------------------------------------------------
+
+
+async def _unary(request: ExpertRequest, context: P2PContext) -> ExpertResponse:
+    for tensor in request.tensors:
+        deserialize_torch_tensor(tensor)
+    return ExpertResponse(metadata=b"ok")
+
+
+async def _streaming(
+    requests: AsyncIterator[ExpertRequest], context: P2PContext
+) -> AsyncIterator[ExpertResponse]:
+    await deserialize_tensor_stream(request.tensors async for request in requests)
+    yield ExpertResponse(metadata=b"ok")
+
+
+async def _ack(peer_id: PeerID, meta: bytes, tensors: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    return b"ok", []
+
+
+async def _tcp_session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.transport.set_write_buffer_limits(high=0)
+    try:
+        while True:
+            await read_frame(reader, CONFIG.limits)
+            await write_frame(writer, encode_response(b"ok", [], Compression.NONE))
+    except asyncio.IncompleteReadError:
+        writer.close()
+
+
+async def _serve(conn: Connection) -> None:
+    p2p = await P2P.create(host_maddrs=HOST, nat_port_map=False)
+    await p2p.add_protobuf_handler("bench.unary", _unary, ExpertRequest)
+    await p2p.add_protobuf_handler(
+        "bench.stream", _streaming, ExpertRequest, stream_input=True, stream_output=True
+    )
+    transport = Transport(p2p, DIRECT)
+    transport.register("ack", _ack)
+    await transport.start()
+    tcp = await asyncio.start_server(_tcp_session, "127.0.0.1", 0)
+    conn.send(([str(maddr) for maddr in await p2p.get_visible_maddrs()], tcp.sockets[0].getsockname()[1]))
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until the client says stop
+    tcp.close()
+    await transport.close()
+    await p2p.shutdown()
+
+
+def _server_main(conn: Connection) -> None:
+    torch.set_num_threads(1)
+    uvloop.run(_serve(conn))
+
+
+# ---- the client -----------------------------------------------------------------------------------------
+
+
+def _hivemind_compression(compression: Compression) -> int:
+    return CompressionType.FLOAT16 if compression is Compression.FLOAT16 else CompressionType.NONE
+
+
+def _tree_cpu_seconds() -> float:
+    """User + system CPU time of this process and all its live descendants (from /proc)."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+                stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    tree, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(stats[pid][1] for pid in tree if pid in stats) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(push: Push, tensor: torch.Tensor, compression: Compression, budget: float) -> Cell:
+    await push(tensor, compression)  # warm up: open streams, fault in buffers
+    times: list[float] = []
+    cpu_start, deadline = _tree_cpu_seconds(), time.perf_counter() + budget
+    while len(times) < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        await push(tensor, compression)
+        times.append(time.perf_counter() - start)
+    return Cell(statistics.median(times), (_tree_cpu_seconds() - cpu_start) / len(times))
+
+
+async def _client(maddrs: list[str], port: int, sizes: tuple[int, ...], budget: float) -> Results:
+    p2p = await P2P.create(initial_peers=maddrs, host_maddrs=HOST, nat_port_map=False)
+    server = PeerID.from_base58(maddrs[0].rsplit("/p2p/", 1)[1])
+    persistent = Transport(p2p, CONFIG)
+    per_call = Transport(p2p, dataclasses.replace(CONFIG, max_idle_streams=0))
+    direct = Transport(p2p, DIRECT)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.transport.set_write_buffer_limits(high=0)
+
+    async def unary(tensor: torch.Tensor, compression: Compression) -> None:
+        request = ExpertRequest(tensors=[serialize_torch_tensor(tensor, _hivemind_compression(compression))])
+        await p2p.call_protobuf_handler(server, "bench.unary", request, ExpertResponse)
+
+    async def stream(tensor: torch.Tensor, compression: Compression) -> None:
+        serialized = serialize_torch_tensor(tensor, _hivemind_compression(compression))
+        parts = [ExpertRequest(tensors=[part]) for part in split_for_streaming(serialized)]
+        async for _ in await p2p.iterate_protobuf_handler(
+            server, "bench.stream", as_aiter(*parts), ExpertResponse
+        ):
+            pass
+
+    def via(transport: Transport) -> Push:
+        async def push(tensor: torch.Tensor, compression: Compression) -> None:
+            await transport.call(server, "ack", b"", [tensor], 60.0, compression=compression)
+
+        return push
+
+    async def tcp(tensor: torch.Tensor, compression: Compression) -> None:
+        await write_frame(writer, encode_request("ack", 60.0, compression, b"", [tensor], compression))
+        await read_frame(reader, CONFIG.limits)
+
+    pushes = dict(
+        zip(OPTIONS, (unary, stream, via(per_call), via(persistent), via(direct), tcp), strict=True)
+    )
+    results: Results = {}
+    try:
+        for size in sizes:
+            tensor = torch.randn(size // 4)
+            for compression in Compression:
+                wire_bytes = size // 2 if compression is Compression.FLOAT16 else size
+                for option, push in pushes.items():
+                    over_cap = option == "hivemind unary" and wire_bytes >= UNARY_CAP
+                    results[option, compression, size] = (
+                        None if over_cap else await _measure(push, tensor, compression, budget)
+                    )
+    finally:
+        writer.close()
+        for transport in (persistent, per_call, direct):
+            await transport.close()
+        await p2p.shutdown()
+    return results
+
+
+# ---- report ---------------------------------------------------------------------------------------------
+
+
+def _size_name(size: int) -> str:
+    if size >= 1 << 20:
+        return f"{size >> 20} MiB"
+    return f"{size >> 10} KiB" if size >= 1 << 10 else f"{size} B"
+
+
+def _table(results: Results, show: Callable[[Cell, Cell, int], str]) -> str:
+    sizes = sorted({size for _, _, size in results})
+    lines = [
+        "| option | wire | " + " | ".join(_size_name(size) for size in sizes) + " |",
+        "|---|---|" + "---|" * len(sizes),
+    ]
+    for compression in Compression:
+        for option in OPTIONS:
+            cells = []
+            for size in sizes:
+                cell, ceiling = results[option, compression, size], results["plain TCP", compression, size]
+                cells.append("over the cap" if cell is None or ceiling is None else show(cell, ceiling, size))
+            wire = "fp16" if compression is Compression.FLOAT16 else "fp32"
+            lines.append(f"| {option} | {wire} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _speed(cell: Cell, ceiling: Cell, size: int) -> str:
+    rate = f"{size / 2**20 / cell.seconds:.0f} MiB/s, " if size >= 1 << 10 else ""
+    return f"{cell.seconds * 1e3:.2f} ms, {rate}{ceiling.seconds / cell.seconds:.2f}x"
+
+
+def _cpu(cell: Cell, ceiling: Cell, size: int) -> str:
+    return f"{cell.cpu_seconds * 1e3:.2f} ms, {cell.cpu_seconds / max(ceiling.cpu_seconds, 1e-6):.1f}x"
+
+
+async def _swarmnode_codec(tensor: torch.Tensor, compression: Compression) -> float:
+    """Encode, then decode from an in-memory stream (the same copies as from a socket); return seconds."""
+    reader = asyncio.StreamReader()
+    start = time.perf_counter()
+    frame = encode_request("x", 1.0, compression, b"", [tensor], compression)
+    elapsed = time.perf_counter() - start
+    reader.feed_data(b"".join(frame))
+    reader.feed_eof()
+    start = time.perf_counter()
+    await read_frame(reader, CONFIG.limits)
+    return elapsed + time.perf_counter() - start
+
+
+def _codec_table() -> str:
+    tensor = torch.randn(8 << 20)
+    lines = ["| wire | hivemind.compression | swarmnode framing |", "|---|---|---|"]
+    for compression in Compression:
+        hivemind, swarmnode = [], []
+        for _ in range(3):
+            start = time.perf_counter()
+            deserialize_torch_tensor(serialize_torch_tensor(tensor, _hivemind_compression(compression)))
+            hivemind.append(time.perf_counter() - start)
+            swarmnode.append(asyncio.run(_swarmnode_codec(tensor, compression)))
+        wire = "fp16" if compression is Compression.FLOAT16 else "fp32"
+        lines.append(f"| {wire} | {min(hivemind) * 1e3:.1f} ms | {min(swarmnode) * 1e3:.1f} ms |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="three sizes, briefly (a smoke run)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # conversions on the event loop thread; no intra-op thread pool spinning
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    server = ctx.Process(target=_server_main, args=(theirs,), daemon=True)
+    server.start()
+    try:
+        maddrs, port = ours.recv()
+        sizes, budget = (SIZES[:3], 0.1) if args.quick else (SIZES, 0.6)
+        results = uvloop.run(_client(maddrs, port, sizes, budget))
+    finally:
+        ours.send("stop")
+        server.join(timeout=15)
+        if server.is_alive():
+            server.kill()  # by pid
+            server.join()
+    print(
+        "Push one fp32 activation, get an ack: median ms per push, MiB/s of fp32 data, speed vs plain TCP\n"
+    )
+    print(_table(results, _speed))
+    print("\nCPU per push (both processes and both p2pd): ms, and as a multiple of plain TCP's\n")
+    print(_table(results, _cpu))
+    print("\nSerialise + deserialise one 32 MiB fp32 tensor in-process (best of 3)\n")
+    print(_codec_table())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Tensor RPC between daemons, over hivemind's libp2p daemon.
+
+    transport = Transport(p2p, TransportConfig(direct_host="127.0.0.1"))  # p2p: `await dht.replicate_p2p()`
+    transport.register("forward", handler)  # async (peer_id, meta, tensors) -> (meta, tensors)
+    await transport.start()
+    meta, tensors = await transport.call(peer_id, "forward", meta, tensors, timeout=5.0)
+    await transport.close()
+
+Messages of any size (far past hivemind's 4 MiB unary cap) travel as length-prefixed frames over pooled,
+persistent libp2p streams, or over direct TCP streams negotiated through libp2p when `direct_host` is set
+(loopback and trusted networks). Tensors travel as hivemind.compression's NONE or FLOAT16; the wire format
+and its checks are in `_framing`, the paths and their failure modes in `_transport`.
+"""
+
+from swarmnode.transport._errors import (
+    CallTimeout,
+    PeerUnreachable,
+    ProtocolError,
+    RemoteError,
+    TransportError,
+)
+from swarmnode.transport._framing import DTYPES, Compression, Limits
+from swarmnode.transport._transport import Handler, Transport, TransportConfig, TransportStats
+
+__all__ = [
+    "DTYPES",
+    "CallTimeout",
+    "Compression",
+    "Handler",
+    "Limits",
+    "PeerUnreachable",
+    "ProtocolError",
+    "RemoteError",
+    "Transport",
+    "TransportConfig",
+    "TransportError",
+    "TransportStats",
+]

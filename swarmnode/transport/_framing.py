@@ -1,0 +1,325 @@
+"""The wire format: length-prefixed frames carrying a msgpack head and raw tensor bytes.
+
+A frame is a fixed prefix, a msgpack head, then a body of tensor bytes back to back:
+
+    prefix  struct "<4sBBHIQ": magic b"SWNT", version, kind, flags (0), head length, body length
+    head    REQUEST  [method: str, timeout: float, reply compression: int, meta: bytes, specs]
+            RESPONSE [meta: bytes, specs]
+            ERROR    [code: str, message: str]
+    specs   one [dtype: str, compression: int, shape: [int, ...]] per tensor
+    body    each tensor's bytes, in order; the body length must equal the sum the specs imply
+
+Tensors travel as hivemind.compression does it (`runtime_pb2.Tensor` semantics: dtype name, shape, and
+`CompressionType` NONE or FLOAT16), minus the protobuf copies: NONE sends a tensor's own memory (bfloat16 as
+its raw 16 bits), FLOAT16 sends float32 as float16 clamped to its range (byte for byte what hivemind's
+Float16Compression sends; other dtypes travel as they are). Decoded tensors are
+`torch.frombuffer` views of a fresh `bytearray` per tensor (writable, owned by the tensor, never shared).
+Everything read from the wire is checked against `Limits` and the dtype allow-list before any tensor is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+from hivemind.proto.runtime_pb2 import CompressionType
+
+from swarmnode.transport._errors import ProtocolError
+
+MAGIC = b"SWNT"
+VERSION = 1
+PREFIX = struct.Struct("<4sBBHIQ")
+IO_CHUNK = 1 << 20  # bytes per write and read call while streaming a body
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Kind(enum.IntEnum):
+    """What a frame is."""
+
+    REQUEST = 1
+    RESPONSE = 2
+    ERROR = 3
+
+
+class Compression(enum.IntEnum):
+    """How float32 tensors travel (values are hivemind's `CompressionType`); other dtypes travel as is."""
+
+    NONE = CompressionType.NONE
+    FLOAT16 = CompressionType.FLOAT16
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_FP16_MAX = torch.finfo(torch.float16).max
+_KINDS = frozenset(Kind)
+_COMPRESSIONS = frozenset(Compression)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what a peer may send; anything beyond them is rejected before it is allocated."""
+
+    max_message_bytes: int = 1 << 30
+    max_head_bytes: int = 1 << 20
+    max_tensors: int = 4096
+    max_ndim: int = 8
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor as described in a head: its dtype, how it travels, its shape."""
+
+    dtype: str
+    compression: Compression
+    shape: tuple[int, ...]
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return torch.float16 if self.compression is Compression.FLOAT16 else DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.wire_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    timeout: float
+    reply_compression: Compression
+    meta: bytes
+    specs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class Response:
+    meta: bytes
+    specs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class Error:
+    code: str
+    message: str
+
+
+Head = Request | Response | Error
+
+
+# ---- encoding -------------------------------------------------------------------------------------------
+
+
+def _encode_tensor(tensor: torch.Tensor, compression: Compression) -> tuple[list[Any], memoryview]:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    name = _DTYPE_NAMES.get(tensor.dtype)
+    if name is None:
+        raise TypeError(f"dtype {tensor.dtype} cannot travel; allowed: {', '.join(DTYPES)}")
+    data = tensor.detach()
+    wire = Compression.NONE
+    if compression == Compression.FLOAT16 and data.dtype == torch.float32:
+        data = data.to(torch.float16).clamp_(-_FP16_MAX, _FP16_MAX)  # = hivemind's clamp, then cast
+        wire = Compression.FLOAT16
+    data = data.cpu().contiguous().reshape(-1)
+    return [name, int(wire), list(tensor.shape)], memoryview(data.view(torch.uint8).numpy())
+
+
+def _meta(meta: object) -> bytes:
+    if not isinstance(meta, bytes | bytearray | memoryview):
+        raise TypeError(f"meta must be bytes, got {type(meta).__name__}")
+    return bytes(meta)
+
+
+def _encode(
+    kind: Kind, fields: list[Any], tensors: Sequence[torch.Tensor], compression: Compression
+) -> list[Buffer]:
+    specs, buffers = [], []
+    for tensor in tensors:
+        spec, buffer = _encode_tensor(tensor, compression)
+        specs.append(spec)
+        buffers.append(buffer)
+    if kind is not Kind.ERROR:
+        fields = [*fields, specs]
+    head = msgpack.packb(fields, use_bin_type=True)
+    body_len = sum(buffer.nbytes for buffer in buffers)
+    return [PREFIX.pack(MAGIC, VERSION, kind, 0, len(head), body_len) + head, *buffers]
+
+
+def encode_request(
+    method: str,
+    timeout: float,
+    reply_compression: Compression,
+    meta: bytes,
+    tensors: Sequence[torch.Tensor],
+    compression: Compression,
+) -> list[Buffer]:
+    """Encode a request as buffers to write in order; tensor bytes are views of the tensors, not copies.
+
+    Raises TypeError for a method, meta or tensor that cannot travel.
+    """
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, got {type(method).__name__}")
+    fields = [method, float(timeout), int(reply_compression), _meta(meta)]
+    return _encode(Kind.REQUEST, fields, tensors, compression)
+
+
+def encode_response(meta: bytes, tensors: Sequence[torch.Tensor], compression: Compression) -> list[Buffer]:
+    """Encode a response like `encode_request`."""
+    return _encode(Kind.RESPONSE, [_meta(meta)], tensors, compression)
+
+
+def encode_error(code: str, message: str) -> list[Buffer]:
+    """Encode an error answer."""
+    return _encode(Kind.ERROR, [code, message], (), Compression.NONE)
+
+
+def frame_size(buffers: Sequence[Buffer]) -> int:
+    """Total bytes of an encoded frame."""
+    return sum(memoryview(buffer).nbytes for buffer in buffers)
+
+
+# ---- decoding -------------------------------------------------------------------------------------------
+
+
+def parse_prefix(prefix: bytes, limits: Limits) -> tuple[Kind, int, int]:
+    """Check a frame prefix; return (kind, head length, body length)."""
+    magic, version, kind, flags, head_len, body_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported wire version {version} (this side speaks {VERSION})")
+    if kind not in _KINDS or flags != 0:
+        raise ProtocolError(f"bad frame kind {kind} or flags {flags:#x}")
+    if head_len > limits.max_head_bytes:
+        raise ProtocolError(f"head of {head_len} bytes exceeds the limit of {limits.max_head_bytes}")
+    if head_len + body_len > limits.max_message_bytes:
+        raise ProtocolError(
+            f"message of {head_len + body_len} bytes exceeds the limit of {limits.max_message_bytes}"
+        )
+    return Kind(kind), head_len, body_len
+
+
+def _check(condition: bool, what: str) -> None:
+    if not condition:
+        raise ProtocolError(f"malformed head: {what}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_spec(raw: object, limits: Limits) -> TensorSpec:
+    _check(isinstance(raw, list) and len(raw) == 3, "tensor spec is not [dtype, compression, shape]")
+    dtype, compression, shape = raw
+    if not (isinstance(dtype, str) and dtype in DTYPES):
+        raise ProtocolError(f"dtype {dtype!r} is not allowed")
+    if not (_is_int(compression) and compression in _COMPRESSIONS):
+        raise ProtocolError(f"compression {compression!r} is not allowed")
+    if compression == Compression.FLOAT16 and dtype != "float32":
+        raise ProtocolError(f"FLOAT16 compression of a {dtype} tensor")
+    _check(isinstance(shape, list) and len(shape) <= limits.max_ndim, "shape is not a short list")
+    _check(all(_is_int(dim) and dim >= 0 for dim in shape), "shape has a non-natural dimension")
+    return TensorSpec(dtype, Compression(compression), tuple(shape))
+
+
+def _parse_specs(raw: object, body_len: int, limits: Limits) -> tuple[TensorSpec, ...]:
+    _check(isinstance(raw, list) and len(raw) <= limits.max_tensors, "tensor list is missing or too long")
+    specs = tuple(_parse_spec(item, limits) for item in raw)
+    expected = sum(spec.nbytes for spec in specs)
+    if expected != body_len:
+        raise ProtocolError(f"tensors take {expected} bytes but the body has {body_len}")
+    return specs
+
+
+def parse_head(kind: Kind, head: bytes, body_len: int, limits: Limits) -> Head:
+    """Decode and check a frame head against the body length the prefix announced."""
+    try:
+        fields = msgpack.unpackb(head, raw=False, use_list=True, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"head is not msgpack: {type(e).__name__}: {e}") from None
+    _check(isinstance(fields, list), "head is not a list")
+    if kind is Kind.REQUEST:
+        _check(len(fields) == 5, "request head needs 5 fields")
+        method, timeout, reply_compression, meta, specs = fields
+        _check(isinstance(method, str), "method is not a string")
+        _check(isinstance(timeout, float) and 0 < timeout < math.inf, "timeout is not a positive float")
+        _check(_is_int(reply_compression) and reply_compression in _COMPRESSIONS, "unknown reply compression")
+        _check(isinstance(meta, bytes), "meta is not bytes")
+        return Request(
+            method, timeout, Compression(reply_compression), meta, _parse_specs(specs, body_len, limits)
+        )
+    if kind is Kind.RESPONSE:
+        _check(len(fields) == 2, "response head needs 2 fields")
+        meta, specs = fields
+        _check(isinstance(meta, bytes), "meta is not bytes")
+        return Response(meta, _parse_specs(specs, body_len, limits))
+    _check(
+        len(fields) == 2 and all(isinstance(field, str) for field in fields),
+        "error head is not [code, message]",
+    )
+    _check(body_len == 0, "error frame has a body")
+    return Error(fields[0], fields[1])
+
+
+async def read_into(reader: asyncio.StreamReader, view: memoryview) -> None:
+    """Fill `view` from the stream; raise IncompleteReadError if it ends first."""
+    filled, size = 0, view.nbytes
+    while filled < size:
+        chunk = await reader.read(min(size - filled, IO_CHUNK))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", size)
+        view[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+
+
+async def read_tensors(reader: asyncio.StreamReader, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """Read a body and build its tensors; each owns its own fresh buffer."""
+    tensors = []
+    for spec in specs:
+        if spec.nbytes == 0:
+            tensor = torch.empty(spec.shape, dtype=spec.wire_dtype)
+        else:
+            buffer = bytearray(spec.nbytes)
+            await read_into(reader, memoryview(buffer))
+            tensor = torch.frombuffer(buffer, dtype=spec.wire_dtype).view(spec.shape)
+        tensors.append(tensor.to(torch.float32) if spec.compression is Compression.FLOAT16 else tensor)
+    return tensors
+
+
+async def read_frame(reader: asyncio.StreamReader, limits: Limits) -> tuple[Head, list[torch.Tensor]]:
+    """Read one whole frame (prefix, head, tensors)."""
+    kind, head_len, body_len = parse_prefix(await reader.readexactly(PREFIX.size), limits)
+    head = parse_head(kind, await reader.readexactly(head_len), body_len, limits)
+    tensors = await read_tensors(reader, head.specs) if not isinstance(head, Error) else []
+    return head, tensors
+
+
+async def write_frame(writer: asyncio.StreamWriter, buffers: Sequence[Buffer]) -> None:
+    """Write an encoded frame. Returns once every byte left the process: the tensors may then change.
+
+    The writer must have been set up with `prepare_writer` so that `drain` waits for a full flush.
+    """
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        for start in range(0, view.nbytes, IO_CHUNK):
+            writer.write(view[start : start + IO_CHUNK])
+            await writer.drain()
+
+
+def prepare_writer(writer: asyncio.StreamWriter) -> None:
+    """Make `drain` wait until the transport holds no unsent bytes (uvloop keeps views of what we write)."""
+    writer.transport.set_write_buffer_limits(high=0, low=0)
