@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from swarmnode import __version__
-from swarmnode.cli.schedule import schedule
-from swarmnode.cli.swarm import bootstrap, join, status
-from swarmnode.cli.train import train
+from swarmnode.cli import schedule as schedule_module
+from swarmnode.cli import swarm as swarm_module
+from swarmnode.cli import train as train_module
+from swarmnode.cli import up as up_module
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -17,5 +18,12 @@ def main() -> None:
     CheckFree recovery, on a hivemind DHT."""
 
 
-for command in (train, schedule, bootstrap, join, status):
+for command in (
+    up_module.up,
+    train_module.train,
+    schedule_module.schedule,
+    swarm_module.bootstrap,
+    swarm_module.join,
+    swarm_module.status,
+):
     main.add_command(command)

@@ -11,6 +11,7 @@ import click
 
 from swarmnode.cli.options import preset_or_fail, stages_or_fail
 from swarmnode.launcher import FAIL_RATE_UNIT, LocalSwarm, Outcome, StageKill, SwarmConfig, parse_stage_kill
+from swarmnode.runspec import RunSpec, RunSpecError
 
 
 class StageKillParam(click.ParamType):
@@ -61,8 +62,10 @@ class StageKillParam(click.ParamType):
     "kills",
     type=StageKillParam(),
     multiple=True,
-    help="Kill every node of STAGE when the data nodes reach STEP (repeatable; stage 0 = the data nodes).",
+    help="Kill every node of STAGE when the data nodes reach STEP (repeatable; stage 0 = the data nodes). "
+    "Without --kill, --fail-rate or --calm: the middle transformer stage at half the steps.",
 )
+@click.option("--calm", is_flag=True, help="No failures at all (overrides the default kill).")
 @click.option(
     "--checkfree-plus/--no-checkfree-plus",
     default=True,
@@ -102,6 +105,7 @@ def up(
     steps: int,
     fail_rate: float,
     kills: tuple[StageKill, ...],
+    calm: bool,
     checkfree_plus: bool,
     respawn_delay: float,
     out: Path,
@@ -112,6 +116,10 @@ def up(
     """Start a whole swarm on this machine (a bootstrap peer, data nodes, stage nodes with replicas, each its
     own process on loopback), train, inject failures, and write DIR/report.json and DIR/loss.png."""
     n_stages = stages_or_fail(preset_or_fail(preset), stages)
+    if calm:
+        kills, fail_rate = (), 0.0
+    elif not kills and fail_rate == 0.0:
+        kills = (StageKill(stage=(n_stages + 1) // 2, step=max(1, steps // 2)),)  # show a stage being rebuilt
     for kill in kills:
         if kill.stage > n_stages:
             raise click.BadParameter(
@@ -122,8 +130,10 @@ def up(
             raise click.BadParameter(
                 f"{kill}: step {kill.step} is after the last step (--steps {steps})", param_hint="--kill"
             )
-    if not run_id or "." in run_id or len(run_id) > 64:
-        raise click.BadParameter(f"{run_id!r} must be 1-64 characters without '.'", param_hint="--run-id")
+    try:  # the run the bootstrap will publish: fail here, before any process starts
+        RunSpec.for_preset(preset, run_id=run_id, stages=n_stages, total_steps=steps, seed=seed)
+    except RunSpecError as error:
+        raise click.UsageError(str(error)) from None
     config = SwarmConfig(
         preset=preset,
         stages=n_stages,

@@ -82,6 +82,8 @@ class DataNode(Node):
 
     async def train(self) -> None:
         """Run iterations until the run's total steps; returns early if stopped."""
+        if self.optimizer.step_count == 0:
+            await self.evaluate()  # the initial validation loss, once every stage is online
         while self.optimizer.step_count < self.spec.total_steps and not self._stopping.is_set():
             planned = plan_iteration(self.snapshot, self.me, self.spec, self.iteration, self._tokens_per_mb)
             if not planned:

@@ -131,7 +131,8 @@ async def obtain_state(node: Node) -> tuple[Recovery, dict[str, Any]] | None:
             {state.EMBEDDING_PREFIX + k: v for k, v in embedding.items()},
             {state.HEAD_PREFIX + k: v for k, v in head.items()},
         )
-        await node.compute.submit(Priority.STEP, lambda: node.load_rebuilt(restored, plan, step=None))
+        step = max(embedding_header.step, head_header.step)
+        await node.compute.submit(Priority.STEP, lambda: node.load_rebuilt(restored, plan, step=step))
         evidence = [_evidence(embedding_header, embedding), _evidence(head_header, head)]
         return plan, {"sources": evidence, "loaded": restored}
     sources = [await fetch_any(node, source, (StatePart.WEIGHTS,)) for source in plan.sources]

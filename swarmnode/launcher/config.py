@@ -1,0 +1,106 @@
+"""What a local swarm runs: its settings, its children's command lines, and the bootstrap's peers file."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarmnode.launcher.plan import StageKill
+
+FAIL_RATE_UNIT = "probability that a given transformer stage fails within one minute"
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """What `swarmnode up` runs. `kills` fire at data-node steps; `fail_rate` is `FAIL_RATE_UNIT`.
+
+    `command` starts the swarmnode CLI in a child; `observe` starts the DHT observer for node states.
+    """
+
+    preset: str = "tiny"
+    stages: int = 3
+    replicas: int = 2
+    data_nodes: int = 2
+    steps: int = 200
+    fail_rate: float = 0.0
+    kills: tuple[StageKill, ...] = ()
+    checkfree_plus: bool = True
+    respawn_delay: float = 2.0
+    seed: int = 0
+    run_id: str = "swarm"
+    out: Path = Path("swarm-out")
+    timeout: float | None = None
+    command: tuple[str, ...] = (sys.executable, "-m", "swarmnode")
+    observe: bool = True
+
+    @property
+    def peers_file(self) -> Path:
+        return (self.out / "peers.txt").resolve()
+
+    @property
+    def initial_nodes(self) -> int:
+        return self.data_nodes + self.stages * self.replicas
+
+    def bootstrap_argv(self) -> list[str]:
+        """The entry peer, on loopback, on any free port, writing its multiaddrs to `peers_file`."""
+        return [
+            *self.command, "bootstrap", "--preset", self.preset, "--stages", str(self.stages),
+            "--run-id", self.run_id, "--host", "127.0.0.1", "--port", "0",
+            "--peers-file", str(self.peers_file), "--steps", str(self.steps), "--seed", str(self.seed),
+            "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus",
+        ]  # fmt: skip
+
+    def join_argv(self, stage: int | None, shard: str | None) -> list[str]:
+        """A daemon of `stage` (None: `--stage auto`); `shard` (I/K): the data it reads as a data node.
+
+        Torch threads are split evenly between the nodes, so a small machine is not oversubscribed.
+        """
+        threads = max(1, (os.cpu_count() or 1) // self.initial_nodes)
+        return [
+            *self.command, "join", "--stage", "auto" if stage is None else str(stage),
+            "--initial-peers", str(self.peers_file), "--run-id", self.run_id, "--threads", str(threads),
+            *(["--shard", shard] if shard is not None else []),
+        ]  # fmt: skip
+
+    def observer_argv(self, interval: float) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "swarmnode.launcher.observe",
+            str(self.peers_file),
+            self.run_id,
+            str(interval),
+        ]
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as they go into the report."""
+        return {
+            "preset": self.preset,
+            "stages": self.stages,
+            "replicas": self.replicas,
+            "data_nodes": self.data_nodes,
+            "steps": self.steps,
+            "fail_rate": self.fail_rate,
+            "fail_rate_unit": FAIL_RATE_UNIT,
+            "kills": [str(kill) for kill in self.kills],
+            "checkfree_plus": self.checkfree_plus,
+            "respawn_delay": self.respawn_delay,
+            "seed": self.seed,
+            "run_id": self.run_id,
+            "timeout": self.timeout,
+        }
+
+
+def read_peers(path: Path) -> list[str] | None:
+    """The multiaddrs in a complete peers file (one per line, ending in a newline), or None if not ready."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    peers = [line.strip() for line in text.splitlines() if line.strip()]
+    if not peers or not text.endswith("\n") or not all(peer.startswith("/") for peer in peers):
+        return None
+    return peers

@@ -1,0 +1,184 @@
+"""Process supervision: each child in its own process group, its output in files, ended by group.
+
+A daemon forks a DHT process and starts a libp2p daemon (p2pd); killing only the daemon's pid would leave both
+running. Every child therefore starts a new session (`start_new_session=True`, so its pid is its process
+group id and the terminal's Ctrl-C does not reach it) and is ended with `os.killpg`, which reaches whatever it
+started. Orphans that died but were not reaped by init (zombies) count as gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+_PROC = Path("/proc")
+
+
+class ChildProcess:
+    """One child process: `argv` run in a new session, stdout to `{log_dir}/{name}.out`, stderr to `.err`."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.argv = tuple(argv)
+        self.stdout_path = log_dir / f"{name}.out"
+        self.stderr_path = log_dir / f"{name}.err"
+        self.started_at = time.monotonic()
+        with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
+            self._popen = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
+            )
+        self._group_gone = False
+
+    @property
+    def pid(self) -> int:
+        """The child's pid, which is also its process group id."""
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def poll(self) -> int | None:
+        """The exit code if the child (the group leader) has exited, else None."""
+        return self._popen.poll()
+
+    def signal_group(self, signum: int) -> None:
+        """Send `signum` to the child's whole process group, if anything in it still runs."""
+        if self._group_gone:
+            return
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            self._group_gone = True
+
+    def terminate(self) -> None:
+        """Ask the child alone to shut down (SIGTERM), so it can end its own DHT and p2pd in order."""
+        if self._popen.poll() is None:
+            self._popen.send_signal(signal.SIGTERM)
+
+    def kill(self) -> int:
+        """SIGKILL the whole group at once (a spot instance vanishing) and reap the child; its exit code."""
+        self.signal_group(signal.SIGKILL)
+        return self._popen.wait()
+
+    def group_running(self) -> bool:
+        """Whether any process of the child's group still runs (zombies do not count)."""
+        if not self._group_gone:
+            self._group_gone = not group_running(self.pid)
+        return not self._group_gone
+
+    def stderr_tail(self, limit: int = 300) -> str:
+        """The last non-empty stderr line, shortened to `limit` characters (for one-line error messages)."""
+        try:
+            with self.stderr_path.open("rb") as err:
+                err.seek(max(0, err.seek(0, os.SEEK_END) - 8192))
+                lines = err.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return ""
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return last[-limit:]
+
+
+def group_running(pgid: int) -> bool:
+    """Whether process group `pgid` has a member that is not a zombie."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not _PROC.is_dir():
+        return True
+    return any(_running_member(entry, pgid) for entry in _PROC.iterdir() if entry.name.isdigit())
+
+
+def _running_member(entry: Path, pgid: int) -> bool:
+    try:
+        stat = (entry / "stat").read_text()
+    except OSError:
+        return False
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid
+
+
+def stop_all(
+    children: Iterable[ChildProcess],
+    grace: float,
+    hurry: Callable[[], bool] = lambda: False,
+    settle: float = 3.0,
+) -> list[ChildProcess]:
+    """End every child: SIGTERM to the child, up to `grace` seconds to exit (less once `hurry()` is true),
+    then SIGKILL to its group.
+
+    Groups are always SIGKILLed at the end, even when their leader exited cleanly, so a p2pd it left behind
+    dies too. Returns the children whose groups still had running members `settle` seconds later.
+    """
+    children = list(children)
+    if grace > 0:
+        for child in children:
+            child.terminate()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not hurry() and any(child.poll() is None for child in children):
+            time.sleep(0.05)
+    for child in children:
+        child.kill()
+    deadline = time.monotonic() + settle
+    while True:
+        left = [child for child in children if child.group_running()]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+class LineTail:
+    """Reads the complete lines appended to a file since the last call (the file may not exist yet)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def read_lines(self) -> list[str]:
+        try:
+            with self.path.open("rb") as file:
+                file.seek(self._offset)
+                chunk = file.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        return [line.decode("utf-8", "replace") for line in lines]
+
+
+class StopSignals:
+    """While active (in the main thread), SIGINT and SIGTERM are recorded in `received` instead of ending the
+    process, so the supervisor can end its children first; a second signal means: stop without grace."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)

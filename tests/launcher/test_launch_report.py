@@ -1,0 +1,204 @@
+"""From the daemons' JSON lines to report.json and loss.png (real matplotlib), and the progress lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from swarmnode.launcher.display import Display, StageCount, status_line
+from swarmnode.launcher.events import (
+    Joining,
+    MicrobatchLost,
+    Online,
+    Recovered,
+    Step,
+    Validation,
+    parse_event,
+)
+from swarmnode.launcher.observe import parse_snapshot
+from swarmnode.launcher.record import RunRecord
+from swarmnode.launcher.report import build_report, plot_loss, write_report
+
+START = 1_700_000_000.0
+
+
+def line(event: str, at: float, **fields: object) -> str:
+    return json.dumps({"event": event, **fields, "time": START + at})
+
+
+def test_parse_event_reads_the_daemons_lines() -> None:
+    assert parse_event(line("joining", 1, phase="stage", stage=2, seconds=3.2), 0) == Joining(2, START + 1)
+    assert parse_event(line("joining", 1, phase="dht", seconds=1.0), 0) is None
+    online = Online(2, "12D3KooWx", START + 1)
+    assert parse_event(line("online", 1, stage=2, peer_id="12D3KooWx"), 0) == online
+    assert parse_event(line("step", 2, step=12, loss=5.1, tokens=4096), 0) == Step(12, 5.1, 4096, START + 2)
+    assert parse_event(line("step", 2, step=12, loss=None, tokens=0), 0) == Step(12, None, 0, START + 2)
+    assert parse_event(line("validation", 3, step=0, val_loss=8.3), 0) == Validation(0, 8.3, START + 3)
+    recovered = line("recovered", 4, stage=2, method="checkfree", seconds=2.1, peer_id="p")
+    assert parse_event(recovered, 0) == Recovered(2, "checkfree", 2.1, START + 4)
+    assert parse_event(line("microbatch_lost", 5, step=7, count=3), 0) == MicrobatchLost(7, 3, START + 5)
+    assert parse_event(line("microbatch_lost", 5, step=7), 0) == MicrobatchLost(7, 1, START + 5)
+    assert parse_event('{"event": "step", "step": 1, "tokens": 8}', 42.0) == Step(1, None, 8, 42.0)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "INFO hivemind started",
+        "{not json",
+        "[1, 2]",
+        '{"event": "unknown"}',
+        '{"event": "step", "step": "3", "tokens": 1}',
+        '{"event": "step", "step": -1, "tokens": 1}',
+        '{"event": "step", "step": true, "tokens": 1}',
+        '{"event": "validation", "step": 3, "val_loss": NaN}',
+        '{"event": "microbatch_lost", "step": 3, "count": -2}',
+        '{"event": "recovered", "stage": 2, "method": "magic", "seconds": 1}',
+        '{"event": "online", "stage": 1}',
+    ],
+)
+def test_parse_event_ignores_everything_else(text: str) -> None:
+    assert parse_event(text, 0.0) is None
+
+
+def recorded_run() -> RunRecord:
+    record = RunRecord(START)
+    lines = [line("validation", 1.0, step=0, val_loss=8.4)]
+    for step in range(1, 41):
+        for skew in (0.0, 0.3):  # two data nodes
+            lines.append(
+                line("step", 2.0 + step + skew, step=step, loss=8.0 - 0.05 * step + skew, tokens=1024)
+            )
+        if step % 20 == 0:
+            lines.append(line("validation", 2.5 + step, step=step, val_loss=8.0 - 0.05 * step))
+    lines += [
+        line("microbatch_lost", 15.0, step=13, stage=2),
+        line("microbatch_lost", 15.1, step=13, stage=2),
+    ]
+    lines.append(line("recovered", 20.0, stage=2, method="checkfree", seconds=2.5))
+    lines.append(line("recovered", 30.0, stage=1, method="replica", seconds=1.0))
+    lines.append(line("recovered", 31.0, stage=2, method="checkfree", seconds=3.5))
+    for text in sorted(lines, key=lambda text: json.loads(text)["time"]):
+        event = parse_event(text, 0.0)
+        assert event is not None
+        record.add(event)
+        if isinstance(event, Step) and event.step == 15 and event.loss == 8.0 - 0.75:
+            record.add_failure(START + 17.5, 2, "12D3KooWdead", "s2r1", "planned")
+            record.stage_lost(START + 17.5, 2)
+    return record
+
+
+def test_record_figures() -> None:
+    record = recorded_run()
+    assert record.step == 40
+    curve = record.loss_curve()
+    assert [point.step for point in curve] == list(range(1, 41))
+    assert curve[0].loss == pytest.approx(8.0 - 0.05 + 0.15)  # the mean of both data nodes
+    assert curve[0].seconds == pytest.approx(3.0)  # placed at the first report
+    assert record.initial_loss == pytest.approx(7.95 + 0.15)
+    assert record.final_loss == pytest.approx(statistics.fmean(8.0 - 0.05 * s + 0.15 for s in range(31, 41)))
+    assert record.initial_val_loss == pytest.approx(8.4)
+    assert record.val_loss == pytest.approx(6.0)
+    assert record.microbatches_lost == 2
+    assert record.failures[0].step == 15 and record.failures[0].seconds == pytest.approx(17.5)
+    assert [(r.stage, r.method, r.duration, r.downtime) for r in record.recoveries] == [
+        (2, "checkfree", 2.5, pytest.approx(2.5)),  # lost at 17.5 s, rebuilt at 20 s
+        (1, "replica", 1.0, None),
+        (2, "checkfree", 3.5, None),  # another node of stage 2: the stage was not lost again
+    ]
+    # 80 reports of 1024 tokens from t=3.0 to t=42.3: the first report opens the interval.
+    assert record.tokens_per_second() == pytest.approx(79 * 1024 / 39.3)
+    assert record.tokens_per_second(window=4.9, now=START + 42.3) == pytest.approx(9 * 1024 / 4.3)
+
+
+def test_report_json_and_plot(tmp_path: Path) -> None:
+    record = recorded_run()
+    settings = {"preset": "tiny", "stages": 3, "fail_rate": 0.0}
+    nodes = [
+        {"name": "s2r1", "pid": 123, "stage": 2, "peer_id": "12D3KooWdead", "exit_code": -9, "killed": True}
+    ]
+    report = build_report(record, "completed", "40 steps done", 45.0, settings, nodes)
+    write_report(tmp_path / "report.json", report)
+    plot_loss(tmp_path / "loss.png", record, "test run")
+
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    assert saved["steps_completed"] == 40
+    assert saved["initial_loss"] == pytest.approx(8.1) and saved["final_loss"] < saved["initial_loss"]
+    assert saved["val_loss"] == pytest.approx(6.0) and saved["initial_val_loss"] == pytest.approx(8.4)
+    assert saved["tokens_per_second"] > 0
+    assert saved["failures"] == [
+        {
+            "step": 15,
+            "stage": 2,
+            "peer_id": "12D3KooWdead",
+            "node": "s2r1",
+            "cause": "planned",
+            "at_seconds": 17.5,
+        }
+    ]
+    assert saved["recoveries"][0] == {
+        "stage": 2,
+        "method": "checkfree",
+        "seconds": 2.5,
+        "downtime_seconds": 2.5,
+        "step": 18,
+        "at_seconds": 20.0,
+    }
+    assert saved["recoveries_by_method"] == {
+        "checkfree": {"count": 2, "mean_seconds": 3.0},
+        "replica": {"count": 1, "mean_seconds": 1.0},
+    }
+    assert saved["microbatches_lost"] == 2
+    assert saved["settings"] == settings and saved["nodes"] == nodes
+    assert len(saved["loss_curve"]) == 40 and len(saved["val_curve"]) == 3
+    assert not (tmp_path / "report.json.partial").exists()
+
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_plot_of_a_run_without_steps(tmp_path: Path) -> None:
+    record = RunRecord(START)
+    record.add_failure(START + 3, 1, None, "s1r1", "crash")
+    plot_loss(tmp_path / "loss.png", record, "nothing happened")
+    report = build_report(record, "interrupted", "stopped by SIGINT at step 0", 3.0, {}, [])
+    assert report["initial_loss"] is None and report["tokens_per_second"] is None
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_status_line_and_stage_counts() -> None:
+    counts = {0: StageCount(2), 1: StageCount(1, recovering=1), 2: StageCount(), 3: StageCount(1, joining=2)}
+    text = status_line(37, 200, 5.3123, 5.42, 1830.4, counts, 3)
+    assert (
+        text == "step 37/200 | loss 5.312 | val 5.420 | 1830 tok/s | nodes 0:2 1:1+1r 2:0! 3:1+2j | lost mb 3"
+    )
+    assert status_line(0, 10, None, None, None, {0: StageCount(1)}, 0) == "step 0/10 | nodes 0:1"
+
+
+def test_display_throttles_status_lines() -> None:
+    stream = io.StringIO()
+    display = Display(stream, started=0.0, interval=0.0, heartbeat=3600.0)
+    display.status(lambda: "a")
+    display.status(lambda: "a")  # unchanged: skipped until the heartbeat
+    display.status(lambda: "b")
+    slow = Display(io.StringIO(), started=0.0, interval=3600.0)
+    slow.status(lambda: "first")
+    slow.status(lambda: pytest.fail("built before it was due"))
+    display.event("stage 2 lost: no node left")
+    lines = stream.getvalue().splitlines()
+    assert [text.split("] ", 1)[1] for text in lines] == ["a", "b", "stage 2 lost: no node left"]
+    assert all(text.startswith("[") and "s] " in text for text in lines)
+
+
+def test_parse_snapshot_counts_states() -> None:
+    peers = [{"peer_id": "a", "state": "online"}, {"peer_id": "b", "state": "recovering"}]
+    snapshot = {"run_id": "swarm", "complete": False, "loss": 5.0, "stages": [{"stage": 2, "peers": peers}]}
+    assert parse_snapshot(json.dumps(snapshot)) == {2: StageCount(online=1, recovering=1)}
+    assert parse_snapshot("INFO: not json") is None
+    assert parse_snapshot('{"stages": [{"peers": []}]}') is None

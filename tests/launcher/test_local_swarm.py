@@ -1,0 +1,183 @@
+"""The supervisor end to end, with a stand-in `swarmnode` (fake_swarmnode.py) instead of real daemons.
+
+Real processes, real process groups, real signals: only the daemons' training is faked.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from swarmnode.launcher import LocalSwarm, Outcome, StageKill, SwarmConfig
+
+FAKE = (sys.executable, str(Path(__file__).with_name("fake_swarmnode.py")))
+
+
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def fake_pids(pids_dir: Path) -> list[int]:
+    return [int(pid) for path in pids_dir.iterdir() for pid in path.read_text().split()]
+
+
+def assert_all_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 5
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in pids if running(pid)] == []
+
+
+@pytest.fixture
+def pids_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "pids"
+    monkeypatch.setenv("FAKE_PIDS_DIR", str(path))
+    return path
+
+
+def config(tmp_path: Path, **overrides: object) -> SwarmConfig:
+    settings: dict[str, object] = {
+        "stages": 2,
+        "replicas": 1,
+        "data_nodes": 2,
+        "steps": 12,
+        "respawn_delay": 0.1,
+        "out": tmp_path / "out",
+        "timeout": 60.0,
+        "command": FAKE,
+        "observe": False,
+    }
+    return SwarmConfig(**{**settings, **overrides})  # type: ignore[arg-type]
+
+
+def test_a_run_with_a_planned_kill(tmp_path: Path, pids_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_AUTO_STAGE", "2")
+    monkeypatch.setenv("FAKE_STEP_S", "0.25")  # 5 s of training: at least one status line after the start
+    stream = io.StringIO()
+    result = LocalSwarm(config(tmp_path, steps=20, kills=(StageKill(2, 4),)), stream).run()
+    progress = stream.getvalue()
+    assert result.outcome is Outcome.COMPLETED, progress
+
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report == result.report
+    assert report["outcome"] == "completed" and report["steps_completed"] == 20
+    assert report["initial_loss"] == pytest.approx(7.9) and report["final_loss"] < report["initial_loss"]
+    assert report["initial_val_loss"] == pytest.approx(8.5) and report["val_loss"] == pytest.approx(6.2)
+    assert report["tokens_per_second"] > 0
+    assert report["microbatches_lost"] == 4  # two from each data node
+    [failure] = report["failures"]
+    assert failure["stage"] == 2 and failure["node"] == "s2r1" and failure["cause"] == "planned"
+    assert failure["step"] >= 4 and failure["peer_id"].startswith("12D3KooWfake")
+    [recovery] = report["recoveries"]
+    assert (recovery["stage"], recovery["method"], recovery["seconds"]) == (2, "checkfree", 0.25)
+    assert recovery["downtime_seconds"] >= 0.1  # the respawn delay, at least
+    assert recovery["at_seconds"] > failure["at_seconds"]
+    nodes = {node["name"]: node for node in report["nodes"]}
+    assert set(nodes) == {"bootstrap", "data1", "data2", "s1r1", "s2r1", "spot1"}
+    assert nodes["spot1"]["stage"] == 2 and nodes["s2r1"]["killed"] and nodes["data1"]["exit_code"] == 0
+    assert report["settings"]["kills"] == ["2@4"] and report["settings"]["steps"] == 20
+    assert (tmp_path / "out" / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "out" / "logs" / "spot1.out").exists()
+
+    for expected in (
+        "bootstrap ready at /ip4/127.0.0.1/",
+        "all 4 nodes joined",
+        "killed s2r1 (12D3",
+        "stage 2 lost: no node left",
+        "spot1 starts as `join --stage auto` in place of s2r1",
+        "spot1 joined stage 2",
+        "stage 2 rebuilt by checkfree in 0.2 s (spot1, after ",
+        "data1 finished",
+        "completed: 20 steps done",
+    ):
+        assert expected in progress
+    assert re.search(r"starting: [0-3]/4 nodes online", progress) and "| nodes 0:2 1:1 2:1 |" in progress
+    assert_all_gone(fake_pids(pids_dir))  # daemons and the grandchildren they left behind
+
+
+def test_bootstrap_failure_is_reported(
+    tmp_path: Path, pids_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_BOOTSTRAP_EXIT", "4")
+    result = LocalSwarm(config(tmp_path), io.StringIO()).run()
+    assert result.outcome is Outcome.FAILED
+    assert "the bootstrap peer exited with code 4: fake bootstrap: cannot listen" in result.message
+    assert result.report["outcome"] == "failed"
+    assert [(node["name"], node["exit_code"]) for node in result.report["nodes"]] == [("bootstrap", 4)]
+
+
+def test_crashing_nodes_are_replaced_until_too_many(
+    tmp_path: Path, pids_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_JOIN_EXIT", "3")
+    stream = io.StringIO()
+    result = LocalSwarm(config(tmp_path, respawn_delay=0.0), stream).run()
+    assert result.outcome is Outcome.FAILED
+    assert result.message.startswith("11 nodes crashed; the last: spot")
+    assert "exited with code 3: fake join: boom" in result.message
+    assert len(result.report["failures"]) == 11
+    assert {failure["cause"] for failure in result.report["failures"]} == {"crash"}
+    assert_all_gone(fake_pids(pids_dir))
+
+
+def test_timeout(tmp_path: Path, pids_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_STEP_S", "10")
+    result = LocalSwarm(config(tmp_path, timeout=2.0), io.StringIO()).run()
+    assert result.outcome is Outcome.TIMEOUT and "2 s timeout" in result.message
+    assert_all_gone(fake_pids(pids_dir))
+
+
+RUNNER = """
+import sys
+from pathlib import Path
+from swarmnode.launcher import LocalSwarm, SwarmConfig
+config = SwarmConfig(stages=2, replicas=2, data_nodes=1, steps=10_000, out=Path(sys.argv[1]),
+                     command=(sys.executable, sys.argv[2]), observe=False)
+result = LocalSwarm(config).run()
+sys.exit(128 + result.signum if result.signum else 1)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_every_child_and_writes_the_report(tmp_path: Path, pids_dir: Path, signum: int) -> None:
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(RUNNER), str(out), FAKE[1]],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "FAKE_STEP_S": "0.2"},
+        start_new_session=True,
+    )
+    try:
+        assert launcher.stderr is not None
+        for text in launcher.stderr:
+            if "all 5 nodes joined" in text:
+                break
+        time.sleep(0.5)
+        launcher.send_signal(signum)
+        assert launcher.wait(timeout=30) == 128 + signum
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    report = json.loads((out / "report.json").read_text())
+    assert report["outcome"] == "interrupted"
+    assert report["message"].startswith(f"stopped by {signal.Signals(signum).name} at step")
+    assert report["steps_completed"] >= 1 and (out / "loss.png").exists()
+    pids = fake_pids(pids_dir)
+    assert len(pids) == 2 * 6  # bootstrap, a data node, 2 x 2 stage nodes, each with its grandchild
+    assert_all_gone(pids)

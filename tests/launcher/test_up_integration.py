@@ -1,0 +1,54 @@
+"""`swarmnode up --steps 30` end to end: real daemons on loopback, a report, and no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarmnode.launcher.procs import group_running
+
+LAUNCHER_TIMEOUT_S = 420  # `up --timeout`: the launcher stops itself (and its children) before the test does
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(LAUNCHER_TIMEOUT_S + 120)
+def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
+    pytest.importorskip("swarmnode.node", reason="the daemons (swarmnode.node) have not landed yet")
+    out = tmp_path / "swarm"
+    argv = [sys.executable, "-m", "swarmnode", "up", "--steps", "30", "--out", str(out)]
+    launcher = subprocess.Popen(
+        [*argv, "--timeout", str(LAUNCHER_TIMEOUT_S)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = launcher.communicate(timeout=LAUNCHER_TIMEOUT_S + 60)
+    except subprocess.TimeoutExpired:
+        launcher.send_signal(signal.SIGTERM)  # the launcher ends its children's groups on SIGTERM
+        stdout, stderr = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, stderr[-4000:]
+    assert stdout.startswith("30 steps: loss ")
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["outcome"] == "completed" and report["steps_completed"] == 30
+    assert report["final_loss"] < report["initial_loss"]
+    assert report["val_loss"] is not None and report["tokens_per_second"] > 0
+    assert report["failures"] == [] and report["settings"]["steps"] == 30
+    assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+    names = {node["name"] for node in report["nodes"]}
+    assert {"bootstrap", "observer", "data1", "data2", "s1r1", "s1r2", "s3r2"} <= names
+    assert [node["name"] for node in report["nodes"] if group_running(node["pid"])] == []  # no p2pd, no DHT
+    assert "all 8 nodes joined" in stderr and "completed: 30 steps done" in stderr

@@ -1,0 +1,120 @@
+"""`swarmnode up` on the command line: bad input is a one-line usage error (exit 2) and starts nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from swarmnode.cli import up as up_module
+from swarmnode.launcher import Outcome, SwarmResult
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Stands in for the launcher: records the configs it was given, and reports success."""
+    configs: list[Any] = []
+
+    class FakeSwarm:
+        def __init__(self, config: Any) -> None:
+            configs.append(config)
+
+        def run(self) -> SwarmResult:
+            report = {
+                "steps_completed": 30,
+                "initial_loss": 8.3,
+                "final_loss": 6.1,
+                "val_loss": None,
+                "tokens_per_second": 2722.4,
+                "failures": [{}],
+                "recoveries_by_method": {"checkfree": {"count": 1, "mean_seconds": 2.13}},
+                "microbatches_lost": 3,
+            }
+            return SwarmResult(Outcome.COMPLETED, "30 steps done", None, report)
+
+    monkeypatch.setattr(up_module, "LocalSwarm", FakeSwarm)
+    return configs
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kill", "9@x"], "Invalid value for '--kill': '9@x' is not STAGE@STEP"),
+        (["--kill", "2@0"], "Invalid value for '--kill': '2@0': the step must be at least 1"),
+        (["--kill", "9@5"], "Invalid value for --kill: 9@5: stage 9 is beyond --stages 3 (stages 0..3)"),
+        (["--stages", "2", "--kill", "3@5"], "stage 3 is beyond --stages 2"),
+        (["--steps", "100", "--kill", "1@500"], "step 500 is after the last step (--steps 100)"),
+        (["--fail-rate", "1.5"], "Invalid value for '--fail-rate'"),
+        (["--fail-rate", "1"], "Invalid value for '--fail-rate'"),
+        (["--stages", "4"], "6 layers of preset 'tiny' do not divide into 4 stages"),
+        (["--preset", "nope"], "Invalid value for --preset"),
+        (["--replicas", "0"], "Invalid value for '--replicas'"),
+        (["--data-nodes", "0"], "Invalid value for '--data-nodes'"),
+        (["--respawn-delay", "-1"], "Invalid value for '--respawn-delay'"),
+        (["--timeout", "0"], "Invalid value for '--timeout'"),
+        (["--run-id", "a.b"], "run id 'a.b' must be 1-64 characters without '.'"),
+    ],
+)
+def test_bad_input_is_a_usage_error(started: list[Any], args: list[str], message: str) -> None:
+    result = CliRunner().invoke(up_module.up, args)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    error = result.output.strip().splitlines()[-1]
+    assert error.startswith("Error: ") and message in error
+    assert started == []
+
+
+def test_good_input_configures_the_swarm(started: list[Any], tmp_path: Path) -> None:
+    args = ["--stages", "2", "--replicas", "3", "--data-nodes", "1", "--steps", "50", "--fail-rate", "0.2"]
+    args += ["--kill", "2@10", "--kill", "0@20", "--no-checkfree-plus", "--respawn-delay", "0.5"]
+    args += ["--out", str(tmp_path), "--seed", "7", "--run-id", "demo", "--timeout", "600"]
+    result = CliRunner().invoke(up_module.up, args)
+    assert result.exit_code == 0, result.output
+    [config] = started
+    assert (config.stages, config.replicas, config.data_nodes, config.steps) == (2, 3, 1, 50)
+    assert config.fail_rate == 0.2 and [str(kill) for kill in config.kills] == ["2@10", "0@20"]
+    assert not config.checkfree_plus and config.respawn_delay == 0.5
+    assert (config.out, config.seed, config.run_id, config.timeout) == (tmp_path, 7, "demo", 600.0)
+    assert result.output == (
+        "30 steps: loss 8.300 -> 6.100, validation ?, 2722 tokens/s, 1 failures, "
+        "recoveries: checkfree x1 (2.1 s), 3 microbatches lost\n"
+    )
+
+
+def test_defaults_need_no_arguments(started: list[Any]) -> None:
+    result = CliRunner().invoke(up_module.up, [])
+    assert result.exit_code == 0, result.output
+    [config] = started
+    assert (config.preset, config.stages, config.replicas, config.data_nodes) == ("tiny", 3, 2, 2)
+    assert (config.fail_rate, config.out) == (0.0, Path("swarm-out"))
+    assert [str(kill) for kill in config.kills] == ["2@100"]  # the demo shows a stage being rebuilt
+
+
+def test_calm_means_no_failures(started: list[Any]) -> None:
+    result = CliRunner().invoke(up_module.up, ["--calm", "--kill", "1@5", "--fail-rate", "0.5"])
+    assert result.exit_code == 0, result.output
+    [config] = started
+    assert (config.fail_rate, config.kills) == (0.0, ())
+
+
+@pytest.mark.parametrize(
+    ("outcome", "signum", "code"),
+    [
+        (Outcome.INTERRUPTED, 2, 130),
+        (Outcome.INTERRUPTED, 15, 143),
+        (Outcome.FAILED, None, 1),
+        (Outcome.TIMEOUT, None, 1),
+    ],
+)
+def test_exit_codes(monkeypatch: pytest.MonkeyPatch, outcome: Outcome, signum: int | None, code: int) -> None:
+    class EndedSwarm:
+        def __init__(self, config: Any) -> None:
+            pass
+
+        def run(self) -> SwarmResult:
+            return SwarmResult(outcome, "stopped", signum, {})
+
+    monkeypatch.setattr(up_module, "LocalSwarm", EndedSwarm)
+    assert CliRunner().invoke(up_module.up, []).exit_code == code
