@@ -62,6 +62,7 @@ class SwarmDHT:
             client_mode=client_mode,
             record_validators=[self._signer, checker],
             await_ready=True,
+            shutdown_timeout=1.0,
         )
         self.peer_id = str(self.dht.peer_id)
         self._subkey = owned_subkey(self.peer_id, self._signer)

@@ -170,7 +170,7 @@ class Node:
             return
         self.state = NodeState.LEAVING
         try:
-            await asyncio.wait_for(self.publish(), 2.0)
+            await asyncio.wait_for(self.publish(), 1.0)
         except Exception as error:  # leaving anyway
             logger.info("could not announce leaving: %s", error)
         for task in self._tasks:
