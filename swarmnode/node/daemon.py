@@ -192,7 +192,7 @@ class Node:
     # ---- the swarm ----------------------------------------------------------------------------------------
 
     def snapshot_online(self, stage: int) -> list[str]:
-        return [p for p in self.snapshot.online(stage) if p != self.me or stage == self.stage]
+        return self.snapshot.online(stage)
 
     async def refresh_snapshot(self) -> None:
         self.snapshot = Snapshot(await self.dht.read_swarm(self.spec.stages))

@@ -25,12 +25,14 @@ from swarmnode.node.compute import Priority
 from swarmnode.node.daemon import Node, Rejected
 from swarmnode.node.events import emit
 from swarmnode.node.planning import PlannedMicrobatch, plan_iteration
+from swarmnode.node.recovery import answering
 from swarmnode.node.worker import DataWorker, Key
 from swarmnode.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
 
 VALIDATION_BATCHES = 2
+WATCH_S = 1.0  # how often a waiting data node checks that the peers on pending paths are alive
 EVALUATION_BASE = 2**62  # iteration numbers of validation passes, apart from training iterations
 
 
@@ -85,7 +87,8 @@ class DataNode(Node):
         if self.optimizer.step_count == 0:
             await self.evaluate()  # the initial validation loss, once every stage is online
         while self.optimizer.step_count < self.spec.total_steps and not self._stopping.is_set():
-            planned = plan_iteration(self.snapshot, self.me, self.spec, self.iteration, self._tokens_per_mb)
+            view = self.snapshot.without(self.router.suspects())
+            planned = plan_iteration(view, self.me, self.spec, self.iteration, self._tokens_per_mb)
             if not planned:
                 await asyncio.sleep(self.spec.record_period_s)
                 await self.refresh_snapshot()
@@ -112,6 +115,7 @@ class DataNode(Node):
                 if self.optimizer.step_count % self.eval_every == 0:
                     await self.evaluate()
             else:
+                await self.compute.submit(Priority.STEP, self.worker.discard_gradients)
                 emit("iteration_failed", iteration=self.iteration - 1, lost=lost)
         await self.evaluate()
 
@@ -150,10 +154,7 @@ class DataNode(Node):
             iteration.microbatches[plan.microbatch] = _Microbatch(plan, targets, plan.path)
         launches = zip(iteration.microbatches.values(), data, strict=True)
         await asyncio.gather(*(self._launch(iteration, mb, inputs) for mb, (inputs, _) in launches))
-        try:
-            await asyncio.wait_for(iteration.finished.wait(), self.spec.iteration_timeout_s)
-        except TimeoutError:
-            logger.warning("iteration %d timed out", iteration.number)
+        await self._await(iteration)
         lost = [mb for mb in iteration.microbatches.values() if mb.loss is None or not mb.done]
         for mb in lost:
             key = (self.me, iteration.number, mb.planned.microbatch)
@@ -173,6 +174,34 @@ class DataNode(Node):
         return [mb.loss for mb in iteration.microbatches.values() if mb.done and mb.loss is not None], len(
             lost
         )
+
+    async def _await(self, iteration: _Iteration) -> None:
+        """Wait for every microbatch, at most `iteration_timeout_s`. Every `WATCH_S` the peers on the paths of
+        pending microbatches are pinged: a microbatch whose path holds a dead peer is lost at once, so a node
+        that dies holding a microbatch stalls the iteration for seconds, not for the whole timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.spec.iteration_timeout_s
+        while not iteration.finished.is_set():
+            try:
+                await asyncio.wait_for(iteration.finished.wait(), WATCH_S)
+                return
+            except TimeoutError:
+                pass
+            if loop.time() > deadline:
+                logger.warning("iteration %d timed out", iteration.number)
+                return
+            pending = [mb for mb in iteration.microbatches.values() if not mb.done]
+            peers = sorted({peer for mb in pending for peer in mb.path if peer != self.me})
+            dead = set(peers) - set(await answering(self.transport, peers))
+            for peer in dead:
+                self.router.suspect(peer)
+            for mb in pending:
+                if dead & set(mb.path) and not mb.done:
+                    mb.loss = None
+                    key = (self.me, iteration.number, mb.planned.microbatch)
+                    await self._lose(
+                        iteration, mb, key, f"peer {sorted(dead & set(mb.path))[0][-8:]} is dead"
+                    )
 
     async def _launch(self, iteration: _Iteration, mb: _Microbatch, inputs: Tensor) -> None:
         plan = mb.planned

@@ -30,6 +30,12 @@ class Snapshot:
     def online(self, stage: int) -> list[str]:
         return [p.peer_id for p in self.stages.get(stage, ()) if p.record.state == NodeState.ONLINE]
 
+    def without(self, peers: set[str]) -> Snapshot:
+        """This view less `peers` (suspected dead since the records were read)."""
+        if not peers:
+            return self
+        return Snapshot({k: [p for p in ps if p.peer_id not in peers] for k, ps in self.stages.items()})
+
     def record(self, peer_id: str) -> PeerRecord | None:
         for peers in self.stages.values():
             for peer in peers:

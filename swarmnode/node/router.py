@@ -63,6 +63,9 @@ class Router:
             return False
         return True
 
+    def suspects(self) -> set[str]:
+        return {peer for peer in list(self._suspects) if self.is_suspect(peer)}
+
     def online(self, stage: int) -> list[str]:
         return [peer for peer in self._online(stage) if not self.is_suspect(peer)]
 

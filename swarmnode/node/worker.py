@@ -114,6 +114,10 @@ class DataWorker:
     def step(self, grad_scale: float = 1.0) -> float:
         return self.optimizer.step(grad_scale)
 
+    def discard_gradients(self) -> None:
+        """An iteration in which no microbatch completed: drop its partial gradients."""
+        self.optimizer.adam.zero_grad(set_to_none=True)
+
 
 def check_activations(tensor: Tensor, batch_limit: int, seq_len: int, dim: int) -> str | None:
     """Why a peer's hidden-state tensor is unacceptable, or None: shape, dtype and finiteness."""
