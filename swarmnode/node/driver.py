@@ -116,7 +116,12 @@ class DataNode(Node):
                     await self.evaluate()
             else:
                 await self.compute.submit(Priority.STEP, self.worker.discard_gradients)
-                emit("iteration_failed", iteration=self.iteration - 1, lost=lost)
+                emit(
+                    "iteration_failed",
+                    iteration=self.iteration - 1,
+                    lost=lost,
+                    seconds=round(time.monotonic() - started, 4),
+                )
         await self.evaluate()
 
     @property

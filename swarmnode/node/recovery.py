@@ -65,6 +65,13 @@ async def live_peers(node: Node, stage: int) -> list[str]:
     return await answering(node.transport, [p for p in node.snapshot.online(stage) if p != node.me])
 
 
+async def trained_peers(node: Node, stage: int) -> list[str]:
+    """Live peers of `stage` that may serve as a rebuild source: not freshly re-initialised (a stage served
+    only by a `reinit` node holds random weights, which an average must not take in)."""
+    fresh = {p.peer_id for p in node.snapshot.stages.get(stage, ()) if p.record.recovery == "reinit"}
+    return [p for p in await live_peers(node, stage) if p not in fresh]
+
+
 async def fetch(
     node: Node, peer: str, stage: int, parts: tuple[StatePart, ...]
 ) -> tuple[StateTransfer, state.TensorMap]:
@@ -82,7 +89,7 @@ async def fetch_any(
     node: Node, stage: int, parts: tuple[StatePart, ...]
 ) -> tuple[StateTransfer, state.TensorMap]:
     """State from one live node of `stage`, trying donors in random order (spreads newcomers over donors)."""
-    donors = await live_peers(node, stage)
+    donors = await (live_peers(node, stage) if stage == node.stage else trained_peers(node, stage))
     node.rng.shuffle(donors)
     for donor in donors:
         try:
@@ -102,7 +109,9 @@ async def obtain_state(node: Node) -> tuple[Recovery, dict[str, Any]] | None:
     spec = node.spec
     if not swarm_has_trained(node):
         return None
-    alive = {k for k in range(spec.stages + 1) if await live_peers(node, k)}
+    alive = {k for k in range(spec.stages + 1) if await trained_peers(node, k)}
+    if await live_peers(node, node.stage):
+        alive.add(node.stage)  # a replica of this node's own stage is copied whatever its history
     holders = {
         part: any(
             part in peer.record.copies for peer in node.snapshot.stages.get(k, ()) if peer.peer_id != node.me

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from protocols.messages import NodeRecord, NodeState
 from swarmnode.data import load_corpus
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.daemon import Node, StageNode
@@ -58,15 +59,46 @@ def choose_stage(live: dict[int, list[PeerRecord]]) -> int:
 
 
 async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, list[PeerRecord]]:
-    """Every stage's online records whose peer answers a ping (a dead node's record outlives it)."""
+    """Every stage's nodes that are alive or about to be: online records whose peer answers a ping (a dead
+    node's record outlives it), plus joining and recovering claims (short-lived records of nodes that have
+    chosen the stage but do not serve yet)."""
     snapshot = Snapshot(await dht.read_swarm(spec.stages))
     transport = Transport(await dht.replicate_p2p())
     live = {}
     for stage in range(spec.stages + 1):
         answering_peers = set(await answering(transport, snapshot.online(stage)))
-        live[stage] = [p for p in snapshot.stages.get(stage, ()) if p.peer_id in answering_peers]
+        live[stage] = [
+            p
+            for p in snapshot.stages.get(stage, ())
+            if p.peer_id in answering_peers or p.record.state in (NodeState.JOINING, NodeState.RECOVERING)
+        ]
     await transport.close()
     return live
+
+
+async def claim_stage(dht: SwarmDHT, spec: RunSpec) -> int:
+    """`--stage auto`: choose a stage, announce the claim, and look again after one record period; if a
+    peer with a lower id claimed the same empty stage meanwhile, leave it to that peer and choose again."""
+    taken: set[int] = set()
+    while True:
+        live = await live_view(dht, spec)
+        for stage in taken:
+            live[stage] = live[stage] or [
+                PeerRecord("(claimed)", NodeRecord(NodeState.JOINING, stage, 0, 0), 0.0)
+            ]
+        stage = choose_stage(live)
+        if live[stage]:
+            return stage  # not an empty stage: several joiners may share it
+        await dht.publish(NodeRecord(NodeState.JOINING, stage, 0, 0), spec.record_ttl_s)
+        await asyncio.sleep(spec.record_period_s)
+        rivals = [
+            p.peer_id
+            for p in (await live_view(dht, spec))[stage]
+            if p.peer_id != dht.peer_id and p.record.state == NodeState.JOINING
+        ]
+        if not any(rival < dht.peer_id for rival in rivals) or len(taken) > spec.stages:
+            return stage
+        taken.add(stage)
 
 
 async def run_join(options: JoinOptions) -> int:
@@ -82,7 +114,7 @@ async def run_join(options: JoinOptions) -> int:
     emit("joining", phase="dht", seconds=round(time.monotonic() - started, 3))
     try:
         spec = await dht.wait_for_run(RUN_WAIT_S)
-        stage = choose_stage(await live_view(dht, spec)) if options.stage is None else options.stage
+        stage = await claim_stage(dht, spec) if options.stage is None else options.stage
         emit("joining", phase="stage", stage=stage, seconds=round(time.monotonic() - started, 3))
         if not 0 <= stage <= spec.stages:
             raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
