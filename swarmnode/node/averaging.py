@@ -23,6 +23,7 @@ from protocols.messages import AveragingReply, AveragingRequest, TensorSpec, dec
 from protocols.noloco import OuterConfig, OuterResult, PairingRound, Phase, noloco_outer_step, pairing_seed
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
+from swarmnode.node.state import manifest
 from swarmnode.transport import Transport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,8 @@ class OuterLoop:
             self.run_id,
             self.stage,
             rnd.outer_step,
-            _manifest(self.phi, names),
-            _manifest(self._theta_snap, names),
+            manifest(self.phi),
+            manifest({n: self._theta_snap[n] for n in names}),
         )
         tensors = [self.phi[n] for n in names] + [self._theta_snap[n] for n in names]
         while rnd.outcome is None:
@@ -182,8 +183,8 @@ class OuterLoop:
             request.outer_step,
             True,
             "",
-            _manifest(self.phi, names),
-            _manifest(self._theta_snap, names),
+            manifest(self.phi),
+            manifest({n: self._theta_snap[n] for n in names}),
         ), [self.phi[n] for n in names] + [self._theta_snap[n] for n in names]
 
     def apply_pending(self) -> bool:
@@ -201,12 +202,6 @@ class OuterLoop:
 
     def _snapshot(self) -> TensorMap:
         return {name: p.detach().clone() for name, p in self.module.named_parameters()}
-
-
-def _manifest(tensors: TensorMap, names: list[str]) -> tuple[TensorSpec, ...]:
-    return tuple(
-        TensorSpec(n, tuple(tensors[n].shape), str(tensors[n].dtype).removeprefix("torch.")) for n in names
-    )
 
 
 def _split(manifest: tuple[TensorSpec, ...], tensors: list[Tensor]) -> tuple[TensorMap, TensorMap]:
