@@ -65,6 +65,7 @@ class SwarmDHT:
             shutdown_timeout=1.0,
         )
         self.peer_id = str(self.dht.peer_id)
+        self._p2p: hivemind.P2P | None = None
         self._subkey = owned_subkey(self.peer_id, self._signer)
 
     def visible_maddrs(self) -> list[str]:
@@ -128,7 +129,17 @@ class SwarmDHT:
         return dict(enumerate(stages))
 
     async def replicate_p2p(self) -> hivemind.P2P:
-        return await self.dht.replicate_p2p()
+        """This process's client of the DHT's p2pd (one per process, shared by every user of it)."""
+        if self._p2p is None:
+            self._p2p = await self.dht.replicate_p2p()
+        return self._p2p
+
+    async def close(self) -> None:
+        """Shut down the p2pd client (it removes its socket file), then the DHT process and its p2pd."""
+        if self._p2p is not None:
+            await self._p2p.shutdown()
+            self._p2p = None
+        self.shutdown()
 
     def shutdown(self) -> None:
         if self.dht.is_alive():

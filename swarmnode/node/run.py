@@ -130,7 +130,7 @@ async def run_join(options: JoinOptions) -> int:
                 emit("moving", from_stage=node.stage, to_stage=next_stage)
         return 0
     finally:
-        dht.shutdown()
+        await dht.close()
 
 
 def _build_node(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) -> Node:

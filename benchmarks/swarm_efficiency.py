@@ -1,0 +1,231 @@
+"""Swarm efficiency: a loopback swarm's tokens/s over the single-process trainer's, same model and batch.
+
+For each case (a model and a microbatch size) and each number M of microbatches per iteration, in one run:
+
+1. the single-process reference trainer (`swarmnode.trainer.train`, the same stage pieces and optimizer the
+   daemons run) trains a few steps with 1 torch thread, the budget of one daemon (`--baseline-threads 1,2`
+   adds 2 threads; on a loaded 2-core machine that was often slower than 1: the threads wait on each other);
+2. a swarm of separate processes on loopback trains the same model and batch: a bootstrap peer, one data
+   node and one replica per transformer stage, each daemon with 1 torch thread (tests/swarm_harness.py).
+
+Swarm tokens/s is wall-clock: the tokens of the steady iterations (the first ones are skipped: warm-up)
+over the time between their step events. Efficiency = swarm tokens/s / single-process tokens/s (1 thread).
+
+Where the time goes, from what the daemons expose: the data node's step events give seconds per iteration
+(`s/iter`; the time between step events also holds the planning of the next iteration, `plan`), and every
+node's DHT record gives tokens per busy second of its compute thread, so `busy` = tokens per iteration /
+that rate = the seconds each node's compute thread works per iteration (stage 0: embedding, head, loss;
+every node: forward, backward, optimizer step; cumulative over the run, warm-up included). The rest of each
+node's iteration is waiting: for its neighbours (pipeline bubbles: one data node starting M microbatches at
+once leaves stages idle at the start and end of every iteration), for the network (p2pd, serialisation).
+`sum busy / single s/step` above 1 is CPU lost to running four processes on two cores (busy seconds
+include time-slicing) and to per-process overhead. `load` is the 1-minute load average when the swarm run
+ended (the swarm itself adds 2-4): the machine is shared and figures move by 30-50% between runs.
+
+    python benchmarks/swarm_efficiency.py                  # tiny and llama-124m (narrowed), M = 1 and 4
+    python benchmarks/swarm_efficiency.py --cases tiny --microbatches 1,2,4,8 --json out.json
+
+Takes three to six minutes on two cores with M = 1 and 4 (each swarm needs 20-40 s to start); M = 8 for
+both cases adds about six more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from swarm_harness import LocalTestSwarm, poll, stage_peers  # noqa: E402
+
+from swarmnode import trainer  # noqa: E402
+from swarmnode.data import Corpus, load_corpus  # noqa: E402
+from swarmnode.presets import Preset, get_preset  # noqa: E402
+
+VOCAB = 4096  # the default stdlib tokenizer; the paper presets' 32,000 would only grow E and E'
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model and the batch of one microbatch; `stages` transformer stages of `layers / stages` layers."""
+
+    name: str
+    preset: str
+    stages: int
+    batch_size: int
+    seq_len: int
+    baseline_steps: int  # single-process steps (the first is warm-up)
+    swarm_steps: int  # swarm iterations (the first `SKIP` are warm-up)
+
+
+CASES = {
+    # 3 stages of 2 layers (dim 128): about 50 ms of compute per stage and microbatch (8 x 128 tokens)
+    "tiny": Case("tiny", "tiny", 3, 8, 128, baseline_steps=12, swarm_steps=14),
+    # llama-124m's layers (dim 512, ffn 4352), 3 stages of 4 layers, 1 x 128 tokens: 31M parameters per
+    # stage, about 0.4-1 s of compute (forward and backward) per stage and microbatch on one thread
+    "llama-124m": Case("llama-124m", "llama-124m", 3, 1, 128, baseline_steps=4, swarm_steps=8),
+}
+SKIP = 2
+
+
+def make_preset(case: Case, microbatches: int) -> Preset:
+    base = get_preset(case.preset)
+    return replace(
+        base,
+        model=replace(base.model, vocab_size=VOCAB),
+        n_stages=case.stages,
+        batch_size=case.batch_size,
+        seq_len=case.seq_len,
+        microbatches=microbatches,
+    )
+
+
+def single_process(case: Case, microbatches: int, threads: int, corpus: Corpus) -> float:
+    """Steady tokens/s of `swarmnode.trainer.train` on the case's model and batch (warm-up step excluded)."""
+    preset = make_preset(case, microbatches)
+    tokens_per_step = microbatches * case.batch_size * case.seq_len
+    compute_at: dict[int, float] = {}
+
+    def progress(p: trainer.Progress) -> None:  # cumulative tokens/s -> cumulative compute seconds
+        compute_at[p.step] = p.step * tokens_per_step / p.tokens_per_second
+
+    original = trainer.get_preset
+    trainer.get_preset = lambda name: preset if name == case.preset else original(name)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        config = trainer.TrainConfig(
+            case.preset, case.stages, case.baseline_steps, eval_every=10**6, eval_batches=1
+        )
+        trainer.train(config, progress, corpus=corpus)
+    finally:
+        trainer.get_preset = original
+        torch.set_num_threads(previous_threads)
+    last = case.baseline_steps
+    return (last - 1) * tokens_per_step / (compute_at[last] - compute_at[1])
+
+
+def swarm_run(case: Case, microbatches: int, folder: Path) -> dict[str, Any]:
+    """Train the case on a loopback swarm; tokens/s, seconds per iteration and each node's busy seconds."""
+    run = {
+        "preset": case.preset,
+        "stages": case.stages,
+        "vocab_size": VOCAB,
+        "batch_size": case.batch_size,
+        "seq_len": case.seq_len,
+        "microbatches": microbatches,
+        "total_steps": case.swarm_steps,
+        "noloco_inner_steps": 1000,  # one replica per stage: no averaging to measure
+        "hop_timeout_s": 60.0,
+        "iteration_timeout_s": 120.0,
+    }
+    run_file = folder / "run.json"
+    run_file.write_text(json.dumps(run))
+    with LocalTestSwarm(folder, run_id=f"eff{uuid.uuid4().hex[:8]}") as swarm:
+        swarm.bootstrap("--run", str(run_file), timeout=120)
+        stages = [swarm.join(k) for k in range(1, case.stages + 1)]
+        swarm.wait_online(*stages, timeout=180)
+        data = swarm.join(0)
+        watcher = swarm.watch_status()
+        data.wait_event("online", 180)
+        data.wait_event("step", 600, where=lambda e: e["step"] >= case.swarm_steps)
+
+        def late_snapshot() -> dict[str, Any] | None:  # records as of the last iterations, all nodes online
+            for snapshot in reversed(swarm.snapshots(watcher)):
+                peers = [stage_peers(snapshot, k) for k in range(case.stages + 1)]
+                if all(len(p) == 1 for p in peers) and peers[0][0]["step"] >= case.swarm_steps - 2:
+                    return snapshot
+            return None
+
+        snapshot = poll(late_snapshot, 60, "a status snapshot from the end of the run")
+        steps = data.events("step")
+    steady = steps[SKIP:]
+    window = steady[-1]["time"] - steps[SKIP - 1]["time"]  # from the end of the warm-up to the last step
+    tokens = sum(e["tokens"] for e in steady)
+    per_iteration = statistics.mean(e["seconds"] for e in steady)
+    wall_per_iteration = window / len(steady)
+    tokens_per_iteration = microbatches * case.batch_size * case.seq_len
+    busy = []
+    for k in range(case.stages + 1):
+        rate = stage_peers(snapshot, k)[0]["tokens_per_second"]
+        busy.append(tokens_per_iteration / rate if rate > 0 else float("nan"))
+    return {
+        "tokens_per_second": tokens / window,
+        "seconds_per_iteration": per_iteration,
+        "wall_per_iteration": wall_per_iteration,
+        "busy": busy,
+        "lost": sum(e["lost"] for e in steps),
+        "load": os.getloadavg()[0],  # the machine is shared: how busy it was
+        "paths": sorted({tuple(p) for e in steady for p in e["paths"]}),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="tiny,llama-124m", help=f"comma separated: {', '.join(CASES)}")
+    parser.add_argument("--microbatches", default="1,4", help="values of M, comma separated")
+    parser.add_argument("--baseline-threads", default="1", help="torch threads of the single-process runs")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    cases = [CASES[name] for name in args.cases.split(",")]
+    ms = [int(m) for m in args.microbatches.split(",")]
+    threads = [int(t) for t in args.baseline_threads.split(",")]
+    corpus = load_corpus(None, None, VOCAB)
+
+    rows = []
+    for case in cases:
+        for m in ms:
+            started = time.monotonic()
+            single = {t: single_process(case, m, t, corpus) for t in threads}
+            with TemporaryDirectory(prefix="swarm-efficiency-") as tmp:
+                swarm = swarm_run(case, m, Path(tmp))
+            row = {"case": case.name, "batch": f"{case.batch_size}x{case.seq_len}", "M": m, "single": single}
+            row.update(swarm, tokens_per_iteration=m * case.batch_size * case.seq_len)
+            row["minutes"] = (time.monotonic() - started) / 60
+            rows.append(row)
+            print(f"# {case.name} M={m}: done in {row['minutes']:.1f} min", file=sys.stderr, flush=True)
+
+    print(table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1, default=list))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: throughput of both, their ratio, and where each swarm iteration's time goes."""
+    head = (
+        "| case | batch | M | single tok/s | single s/step | swarm tok/s | efficiency "
+        "| swarm s/iter (+ plan) | busy s/iter: stage 0, 1, ..., s | busiest node "
+        "| sum busy / single s/step | lost | load |"
+    )
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in rows:
+        busy = r["busy"]
+        plan = r["wall_per_iteration"] - r["seconds_per_iteration"]
+        swarm = r["tokens_per_second"]
+        first = next(iter(r["single"]))
+        single = r["single"][first]
+        single_step = r["tokens_per_iteration"] / single
+        singles = " / ".join(f"{tps:.0f} ({t} thr)" for t, tps in r["single"].items())
+        lines.append(
+            f"| {r['case']} | {r['batch']} | {r['M']} | {singles} | {single_step:.2f} | {swarm:.0f} "
+            f"| {swarm / single:.2f} | {r['seconds_per_iteration']:.2f} (+{plan:.2f}) "
+            f"| {', '.join(f'{b:.2f}' for b in busy)} | {max(busy) / r['wall_per_iteration']:.0%} busy "
+            f"| {sum(busy) / single_step:.2f} | {r['lost']} | {r['load']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

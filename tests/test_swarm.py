@@ -1,0 +1,262 @@
+"""Real swarms on loopback: bootstrap, data node and stage nodes as separate processes (swarm_harness.py).
+
+Small on purpose (one bootstrap, one data node, three or four stage nodes, one torch thread each) so that the
+file runs in about two to three minutes on two cores. Every test ends every process group it started, even on
+failure, and checks that nothing of theirs (daemon, DHT process, p2pd) is left running.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import pytest
+from swarm_harness import (
+    CLIENTS,
+    LocalTestSwarm,
+    NodeProcess,
+    group_members,
+    poll,
+    stage_peers,
+    step_losses,
+    tcp_listeners_of,
+    udp_sockets_of,
+)
+
+pytestmark = pytest.mark.integration
+
+TINY_DIM = 128  # hidden size of the tiny preset: what its stage nodes accept
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
+    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"test{uuid.uuid4().hex[:10]}")
+    try:
+        yield harness
+    finally:
+        harness.close()
+        sockets = harness.remove_leftover_sockets()  # killed nodes cannot clean up their socket files
+        assert not harness.left_behind, f"processes left behind: {harness.left_behind}"
+        ours = {path: name for path, name in sockets.items() if "p2pd" in path or name in CLIENTS}
+        assert not ours, f"socket files left behind: {ours}"
+
+
+def assert_loopback_only(swarm: LocalTestSwarm) -> None:
+    """While the swarm runs: no UDP socket (NAT port mapping is off) and TCP listeners on 127.0.0.1 only."""
+    pids = swarm.live_pids()
+    assert pids
+    assert udp_sockets_of(pids) == []
+    listeners = tcp_listeners_of(pids)
+    assert listeners, "no TCP listener found for the swarm's processes"
+    for line in listeners:
+        assert line.split()[3].startswith("127.0.0.1:"), f"listening beyond loopback: {line}"
+
+
+def start_stages(swarm: LocalTestSwarm, stages: list[int], **bootstrap: Any) -> list[NodeProcess]:
+    """The bootstrap peer (`bootstrap`: its flags), then the stage nodes, returned once all are online."""
+    swarm.bootstrap(**bootstrap)
+    nodes = [swarm.join(k) for k in stages]
+    swarm.wait_online(*nodes)
+    return nodes
+
+
+def join_data_node(swarm: LocalTestSwarm) -> NodeProcess:
+    """Start the data node (training starts as soon as it is online)."""
+    return swarm.join(0)
+
+
+def wait_data_online(swarm: LocalTestSwarm, data: NodeProcess) -> None:
+    data.wait_event("online", 90)
+    swarm.note_sockets()
+    assert_loopback_only(swarm)
+
+
+def peer_id(node: NodeProcess) -> str:
+    return node.events("online")[0]["peer_id"]
+
+
+def max_steps(summary: dict[str, Any]) -> dict[int, int]:
+    return {s["stage"]: max((p["step"] for p in s["peers"]), default=-1) for s in summary["stages"]}
+
+
+@pytest.mark.timeout(170)
+def test_pipeline_of_three_stages_trains(swarm: LocalTestSwarm) -> None:
+    start_stages(swarm, [1, 2, 3], steps=30)
+    data = join_data_node(swarm)
+    watcher = swarm.watch_status()  # starts while the data node does: it needs a few seconds too
+    wait_data_online(swarm, data)
+
+    # `status --json` (every 2 s): every stage online, and every stage's steps advance between two reads
+    def complete() -> dict[str, Any] | None:
+        return next((s for s in swarm.snapshots(watcher) if s["complete"] and max_steps(s)[0] > 0), None)
+
+    first = poll(complete, 60, "a status snapshot with every stage online", alive=watcher.check_alive)
+    before = max_steps(first)
+
+    def advanced() -> dict[str, Any] | None:
+        later = [s for s in swarm.snapshots(watcher) if s["complete"]]
+        return next((s for s in later if all(max_steps(s)[k] > before[k] for k in before)), None)
+
+    second = poll(advanced, 60, "every stage's steps to advance between two status reads")
+    swarm.stop(watcher)
+    for snapshot in (first, second):
+        for stage in range(4):
+            assert [p["state"] for p in stage_peers(snapshot, stage)] == ["online"], snapshot
+    assert second["loss"] is not None and second["run"]["run_id"] == swarm.run_id
+
+    # the loss falls over the run
+    finished = data.wait_event("finished", 120)
+    assert data.wait_exit(30) == 0
+    losses = step_losses(data.events())
+    assert len(losses) == finished["step"] == 30
+    assert mean(losses[-5:]) < mean(losses[:5]) - 0.5, losses
+    validations = [e["val_loss"] for e in data.events("validation")]
+    assert validations and min(validations) < losses[0], (validations, losses[0])
+    assert finished["microbatches_lost"] == 0
+
+
+@pytest.mark.timeout(170)
+def test_two_replicas_share_work_and_pair_with_noloco(swarm: LocalTestSwarm) -> None:
+    stage_nodes = start_stages(swarm, [1, 2, 2, 3], steps=16, microbatches=4, noloco_every=4)
+    rep_a, rep_b = stage_nodes[1:3]
+    replicas = {peer_id(rep_a): rep_a, peer_id(rep_b): rep_b}
+    data = join_data_node(swarm)
+    watcher = swarm.watch_status()
+    stop = swarm.folder / "stop-observer"
+    observer = swarm.client("weights", 2, stop, *replicas)  # both replicas' weights after each of their steps
+    wait_data_online(swarm, data)
+
+    def stage2(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {p["peer_id"]: p for p in stage_peers(summary, 2) if p["state"] == "online"}
+
+    # both replicas receive microbatches: their records show steps and compute throughput, and steps advance
+    def both_busy() -> dict[str, Any] | None:
+        for snapshot in swarm.snapshots(watcher):
+            peers = stage2(snapshot)
+            if set(peers) == set(replicas) and all(
+                p["step"] > 0 and p["tokens_per_second"] > 0 for p in peers.values()
+            ):
+                return snapshot
+        return None
+
+    first = poll(both_busy, 90, "both stage-2 replicas to report steps and throughput")
+    steps_before = {peer: record["step"] for peer, record in stage2(first).items()}
+
+    def both_advanced() -> dict[str, Any] | None:
+        for snapshot in swarm.snapshots(watcher):
+            peers = stage2(snapshot)
+            if set(peers) == set(replicas) and all(peers[p]["step"] > steps_before[p] for p in replicas):
+                return snapshot
+        return None
+
+    poll(both_advanced, 90, "both replicas' step counts to advance")
+    swarm.stop(watcher)
+
+    finished = data.wait_event("finished", 150)
+    stop.touch()
+    assert finished["step"] == 16 and finished["microbatches_lost"] == 0
+    paths = [tuple(path) for e in data.events("step") for path in e["paths"]]
+    assert len(paths) == 4 * 16 and all(sorted(p) == [0, 0, 1, 2, 3] for p in paths), set(paths)
+
+    # NoLoCo: the replicas paired with each other in the same outer step(s). A replica steps once per batch
+    # of work routed through it, so its step count (and with it its outer steps, every 4 of its steps) may
+    # trail the data node's; at least one exchange must have happened on both sides.
+    events = {peer: [e for e in node.events("outer_step") if e["paired"]] for peer, node in replicas.items()}
+    paired = {peer: {e["outer_step"] for e in found} for peer, found in events.items()}
+    partners = {peer: {e["partner"] for e in found} for peer, found in events.items()}
+    common = paired[peer_id(rep_a)] & paired[peer_id(rep_b)]
+    assert common, paired
+    assert partners == {peer_id(rep_a): {peer_id(rep_b)}, peer_id(rep_b): {peer_id(rep_a)}}
+
+    # ... and each exchange brought their weights closer. At outer step k a replica enters the exchange with
+    # its weights after its step 4k (theta) and resumes from the new slow weights (phi, plus the inner steps
+    # it took meanwhile). The observer read both replicas' theta after each step and phi after each outer
+    # step: |phi_a - phi_b| after outer step k must be well below |theta_a - theta_b| at step 4k. (It is 0
+    # here: both replicas started from the run's seeded weights and paired at every outer step, so their
+    # averaged slow weights stay identical; their fast weights drift apart again, see weights.out.)
+    assert observer.wait_exit(60) == 0, observer.stderr_tail()
+    thetas = {e["step"]: e for e in observer.events() if "distance" in e}
+    phis = {e["outer_step"]: e for e in observer.events() if "phi_distance" in e}
+    closer = []
+    for k in sorted(common):
+        entered = thetas.get(4 * k)
+        if entered is not None and entered["outer"] == [k - 1, k - 1] and k in phis:
+            closer.append((k, entered["distance"], phis[k]["phi_distance"]))
+    assert closer, f"the observer missed every exchange: {thetas}, {phis}"
+    for k, before, after in closer:
+        assert before > 0.1 and after < 0.01 * before, (k, closer)
+
+
+ATTACKS = {1: "garbage", 2: "nan", 3: "shape"}
+REASONS = {"garbage": "malformed msgpack", "nan": "non-finite values", "shape": "shape (1, 16, 131)"}
+
+
+@pytest.mark.timeout(170)
+def test_hostile_peer_is_refused_banned_and_training_goes_on(swarm: LocalTestSwarm) -> None:
+    stage_nodes = start_stages(swarm, [1, 2, 3], steps=25)
+    data = join_data_node(swarm)
+    go = swarm.folder / "attack"
+    targets = [f"{k}:{peer_id(stage_nodes[k - 1])}:{attack}" for k, attack in ATTACKS.items()]
+    hostile = swarm.client("hostile", TINY_DIM, go, *targets)
+    wait_data_online(swarm, data)
+    hostile.wait_event("ready", 90)
+    swarm.note_sockets()
+    data.wait_event("step", 90, where=lambda e: e["step"] >= 3)  # attack while training runs
+    go.touch()
+    assert hostile.wait_exit(60) == 0, hostile.stderr_tail()
+    hostile_id = hostile.events("ready")[0]["peer_id"]
+    calls = {(e["stage"], e["call"]): e for e in hostile.events() if "call" in e}
+    assert len(calls) == 6, hostile.lines()
+
+    rejected_at = []
+    for stage, attack in ATTACKS.items():
+        bad, valid = calls[(stage, "bad")], calls[(stage, "valid")]
+        # (1) the bad call is refused: the node answers an Error message (or the call raises)
+        assert bad["outcome"] == "error" and bad["kind"] == "malformed", bad
+        # (2) the node logs a "rejected" event naming the peer and the reason
+        node = stage_nodes[stage - 1]
+        event = node.wait_event("rejected", 10, where=lambda e: e["peer_id"] == hostile_id)
+        assert event["code"] == "malformed" and REASONS[attack] in event["reason"], event
+        rejected_at.append(event["time"])
+        # (3) the peer is banned: a later, valid-looking call is refused as banned
+        assert valid["outcome"] == "raised" and valid["kind"] == "banned", valid
+        assert all(a["outcome"] == "raised" for a in valid["attempts"]), valid  # never served
+
+    # (4) training goes on: the data node steps after the attacks, loses nothing, and finishes the run
+    finished = data.wait_event("finished", 120)
+    assert data.wait_exit(30) == 0
+    steps = data.events("step")
+    assert len(steps) == 25 and any(e["time"] > max(rejected_at) for e in steps)
+    assert finished["microbatches_lost"] == 0
+    losses = step_losses(steps)
+    assert all(map(math.isfinite, losses)) and mean(losses[-5:]) < mean(losses[:5])
+    for node in stage_nodes:
+        assert node.poll() is None, f"{node.name} died: {node.stderr_tail()}"
+
+
+class SocketLeft(AssertionError):
+    """A daemon that exited cleanly left a socket file behind."""
+
+
+@pytest.mark.timeout(90)
+def test_daemon_leaves_nothing_after_sigterm(swarm: LocalTestSwarm) -> None:
+    swarm.bootstrap(steps=1)
+    node = swarm.join(1)
+    swarm.wait_online(node)
+    swarm.note_sockets()
+    members = group_members([node.pgid])
+    assert {"p2pd"} <= {name for _, name in members.values()} and len(members) >= 3  # daemon, DHT, p2pd
+    mine = [path for path, name in swarm.sockets.items() if name == node.name]
+    assert any("p2pd" in path for path in mine) and any("p2pclient" in path for path in mine), mine
+
+    node.popen.send_signal(signal.SIGTERM)
+    assert node.wait_exit(30) == 0, node.stderr_tail()
+    poll(lambda: not group_members([node.pgid]), 10, "the daemon's DHT process and p2pd to exit")
+    left = [path for path in mine if Path(path).exists()]
+    if left:
+        raise SocketLeft(f"left behind by a daemon after a clean exit: {left}")
