@@ -139,6 +139,7 @@ class Node:
             ("average", self._on_average),
             ("state", self._on_state),
             ("ping", self._on_ping),
+            ("hello", self._on_hello),
         ):
             self.transport.register(method, self._guarded(handler))
         self.compute.start()
@@ -150,6 +151,7 @@ class Node:
         await recovery.recover(self)
         self.state = NodeState.ONLINE
         await self.publish()
+        await self._greet_data_nodes()
         if self.copy_parts:
             self.spawn(self.refresh_copies(), "copies")
         self._tasks += [
@@ -268,6 +270,18 @@ class Node:
 
     async def _on_ping(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         return encode(Ack()), []
+
+    async def _on_hello(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        """A node just came online: read the DHT now rather than at the next refresh (used by data nodes)."""
+        self.spawn(self.refresh_snapshot(), "hello-refresh")
+        return encode(Ack()), []
+
+    async def _greet_data_nodes(self) -> None:
+        """Tell the data nodes this node serves now, so their next plan can use it at once."""
+        peers = [p for p in self.snapshot.online(0) if p != self.me]
+        await asyncio.gather(
+            *(self.router.call(p, "hello", b"", [], timeout=1.0) for p in peers), return_exceptions=True
+        )
 
     async def _on_state(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         request: StateRequest = self._decode(meta, StateRequest)

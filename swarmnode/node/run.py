@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,13 @@ from swarmnode.transport import Transport
 logger = logging.getLogger(__name__)
 
 RUN_WAIT_S = 60.0
+CLAIM_SETTLE_S = 0.5  # DHT stores take ~10-25 ms on loopback; half a second covers a loaded machine
+
+
+def _warm_torch() -> None:
+    """Pay torch's lazy imports (the first optimizer pulls in torch._dynamo, about a second) while the DHT
+    starts, instead of after the stage is chosen, where they would delay a recovery."""
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,7 @@ async def claim_stage(dht: SwarmDHT, spec: RunSpec) -> int:
         if live[stage]:
             return stage  # not an empty stage: several joiners may share it
         await dht.publish(NodeRecord(NodeState.JOINING, stage, 0, 0), spec.record_ttl_s)
-        await asyncio.sleep(spec.record_period_s)
+        await asyncio.sleep(CLAIM_SETTLE_S)  # a rival's claim, stored at the same moment, becomes visible
         rivals = [
             p.peer_id
             for p in (await live_view(dht, spec))[stage]
@@ -110,6 +118,7 @@ async def run_join(options: JoinOptions) -> int:
     if options.threads:
         torch.set_num_threads(options.threads)
     started = time.monotonic()
+    threading.Thread(target=_warm_torch, name="warm-torch", daemon=True).start()
     dht = SwarmDHT(options.run_id, options.initial_peers, options.host, options.port, options.public)
     emit("joining", phase="dht", seconds=round(time.monotonic() - started, 3))
     try:
