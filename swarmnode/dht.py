@@ -4,8 +4,9 @@ node's record and the run definition, and read the swarm."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import hivemind
 from hivemind.utils import MSGPackSerializer, get_dht_time
@@ -22,6 +23,15 @@ from swarmnode.records import (
     stage_key,
 )
 from swarmnode.runspec import RunSpec, RunSpecError
+
+T = TypeVar("T")
+
+DHT_CALL_TIMEOUT_S = 10.0  # every DHT call is bounded: a DHT process that died never answers
+
+
+async def _bounded(future: Awaitable[T]) -> T:
+    """Await a DHT future for at most DHT_CALL_TIMEOUT_S: a DHT process that died never answers."""
+    return await asyncio.wait_for(future, DHT_CALL_TIMEOUT_S)
 
 
 class RunNotFound(RuntimeError):
@@ -68,26 +78,34 @@ class SwarmDHT:
         self._p2p: hivemind.P2P | None = None
         self._subkey = owned_subkey(self.peer_id, self._signer)
 
+    @property
+    def alive(self) -> bool:
+        return self.dht.is_alive()
+
     def visible_maddrs(self) -> list[str]:
         return [str(addr) for addr in self.dht.get_visible_maddrs()]
 
     async def publish(self, record: NodeRecord, ttl: float) -> bool:
-        return await self.dht.store(
-            stage_key(self.run_id, record.stage),
-            encode(record),
-            get_dht_time() + ttl,
-            subkey=self._subkey,
-            return_future=True,
+        return await _bounded(
+            self.dht.store(
+                stage_key(self.run_id, record.stage),
+                encode(record),
+                get_dht_time() + ttl,
+                subkey=self._subkey,
+                return_future=True,
+            )
         )
 
     async def publish_run(self, spec: RunSpec, ttl: float) -> bool:
         value = MSGPackSerializer.dumps(spec.to_dict())
-        return await self.dht.store(
-            run_key(self.run_id), value, get_dht_time() + ttl, subkey=self._subkey, return_future=True
+        return await _bounded(
+            self.dht.store(
+                run_key(self.run_id), value, get_dht_time() + ttl, subkey=self._subkey, return_future=True
+            )
         )
 
     async def read_run(self) -> RunSpec | None:
-        found = await self.dht.get(run_key(self.run_id), latest=True, return_future=True)
+        found = await _bounded(self.dht.get(run_key(self.run_id), latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return None
         newest = sorted(found.value.values(), key=lambda item: item.expiration_time, reverse=True)
@@ -111,7 +129,7 @@ class SwarmDHT:
             await asyncio.sleep(0.5)
 
     async def read_stage(self, stage: int) -> list[PeerRecord]:
-        found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
+        found = await _bounded(self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return []
         now = get_dht_time()

@@ -8,6 +8,7 @@ bootstrap republishes it; a later bootstrap for the same run can take over).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.events import emit
 from swarmnode.runspec import RunSpec
+
+logger = logging.getLogger(__name__)
 
 RUN_TTL_S = 60.0
 REPUBLISH_S = 10.0
@@ -45,7 +48,15 @@ async def run_bootstrap(spec: RunSpec, host: str, port: int, public: bool, peers
             try:
                 await asyncio.wait_for(stop.wait(), REPUBLISH_S)
             except TimeoutError:
-                await dht.publish_run(spec, RUN_TTL_S)
+                if not dht.alive:
+                    logger.error("the DHT process is gone; stopping")
+                    return 1
+                try:
+                    await dht.publish_run(spec, RUN_TTL_S)
+                except TimeoutError:
+                    logger.warning(
+                        "republishing the run definition timed out; retrying in %.0f s", REPUBLISH_S
+                    )
         return 0
     finally:
         dht.shutdown()
