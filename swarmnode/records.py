@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
 from protocols.errors import ProtocolError
@@ -42,14 +43,16 @@ def owned_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
 
 
 def peer_of_subkey(subkey: object) -> str | None:
-    """The peer id in a record subkey, or None if the subkey is not an owned one."""
+    """The peer id in a record subkey, or None if the subkey is not an owned one with a valid peer id."""
     if not isinstance(subkey, bytes) or OWNER_MARKER not in subkey:
         return None
     peer = subkey.split(OWNER_MARKER, 1)[0]
     try:
-        return peer.decode("ascii") or None
-    except UnicodeDecodeError:
+        text = peer.decode("ascii")
+        PeerID.from_base58(text)
+    except (UnicodeDecodeError, ValueError):
         return None
+    return text
 
 
 def decode_record(value: object) -> NodeRecord:

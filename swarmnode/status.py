@@ -56,6 +56,8 @@ def swarm_summary(run_id: str, spec: RunSpec | None, stages: dict[int, list[Peer
 
 def format_table(summary: dict[str, Any]) -> str:
     """A table for people: one line per peer, grouped by stage."""
+    if summary["run"] is None:
+        return f"run {summary['run_id']}: no run definition on the DHT (check --run-id and --initial-peers)"
     lines = [
         f"run {summary['run_id']}: {'complete' if summary['complete'] else 'INCOMPLETE'}"
         + (f", loss {summary['loss']:.4f}" if summary["loss"] is not None else "")

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from swarmnode.data import DataError, load_corpus
-from swarmnode.dht import read_initial_peers
+from swarmnode.dht import RunNotFound, read_initial_peers
 from swarmnode.runspec import RunSpec, RunSpecError
 
 PEERS_HELP = "Multiaddrs (comma separated) or a file with one per line; also $SWARMNODE_INITIAL_PEERS."
@@ -201,6 +201,8 @@ def join(
         code = _run_async(run_join(options))
     except (ValueError, DataError) as error:
         raise click.UsageError(str(error)) from None
+    except RunNotFound as error:
+        raise click.ClickException(f"{error} (check --run-id and --initial-peers)") from None
     raise SystemExit(code)
 
 

@@ -62,22 +62,26 @@ class OuterLoop:
         self.outer_step = 0
         self.phi: TensorMap = {name: p.detach().clone() for name, p in module.named_parameters()}
         self.delta: TensorMap | None = None
-        self.paired = 0
-        self.alone = 0
         self._round: PairingRound | None = None
         self._theta_snap: TensorMap = {}
         self._delivered = asyncio.Event()
         self._pending: _Pending | None = None
         self._running = False
+        self._last_round = 0
 
     def due(self, step: int) -> bool:
-        return self.config.due(step) and not self._running
+        """An outer step is due at every H-th inner step, once (a step that did not advance the count, e.g.
+        a skipped non-finite update, does not start the same outer step again)."""
+        return (
+            self.config.due(step) and not self._running and self.config.outer_step_of(step) > self._last_round
+        )
 
     async def run(self, step: int, replicas: list[str], clock: Callable[[], float]) -> None:
         """One outer step: pair, exchange, compute the update (applied later by `apply_pending`)."""
         self._running = True
         try:
             outer = self.config.outer_step_of(step)
+            self._last_round = outer
             self._theta_snap = await self.compute.submit(Priority.STEP, self._snapshot)
             self._delivered.clear()
             rnd = PairingRound(
@@ -111,10 +115,6 @@ class OuterLoop:
                 ),
             )
             self._pending = _Pending(result, theta_snap)
-            if outcome.phase == Phase.PAIRED:
-                self.paired += 1
-            else:
-                self.alone += 1
             emit(
                 "outer_step",
                 stage=self.stage,

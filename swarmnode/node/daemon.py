@@ -175,10 +175,10 @@ class Node:
             await asyncio.wait_for(self.publish(), 1.0)
         except Exception as error:  # leaving anyway
             logger.info("could not announce leaving: %s", error)
+        await self.transport.close()  # no new requests (and no new tasks) from here on
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.transport.close()
         await self.compute.close()
 
     async def _every(self, period: float, action) -> None:  # type: ignore[no-untyped-def]
@@ -250,9 +250,14 @@ class Node:
             raise Rejected(ErrorCode.WRONG_RUN, f"run {message.run_id!r} is not {self.spec.run_id!r}")
         return message
 
-    def _hop_tensor(self, message: Forward | Backward, tensors: list[Tensor]) -> Tensor:
+    def _hop_tensor(self, peer: str, message: Forward | Backward, tensors: list[Tensor]) -> Tensor:
         if message.path[message.hop] != self.me or message.stages[message.hop] != self.stage:
             raise Rejected(ErrorCode.WRONG_STAGE, f"hop {message.hop} is not this node (stage {self.stage})")
+        sender_hop = message.hop - 1 if isinstance(message, Forward) else message.hop + 1
+        if not 0 <= sender_hop < len(message.path) or message.path[sender_hop] != peer:
+            raise Rejected(
+                ErrorCode.MALFORMED, f"{peer[-8:]} is not hop {sender_hop} of this microbatch's path"
+            )
         if len(tensors) != 1:
             raise Rejected(ErrorCode.MALFORMED, f"expected one tensor, got {len(tensors)}")
         problem = check_activations(
@@ -265,7 +270,7 @@ class Node:
     async def _on_abort(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         abort: Abort = self._decode(meta, Abort)
         key = (abort.origin, abort.iteration, abort.microbatch)
-        await self.on_abort(key, abort.reason)
+        self.spawn(self.on_abort(key, abort.reason), "abort")
         return encode(Ack()), []
 
     async def _on_ping(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
@@ -434,7 +439,7 @@ class StageNode(Node):
 
     async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         message: Forward = self._decode(meta, Forward)
-        hidden = self._hop_tensor(message, tensors)
+        hidden = self._hop_tensor(peer, message, tensors)
         key = (message.path[0], message.iteration, message.microbatch)
         if message.evaluate:
             self.spawn(self._evaluate(message, hidden), "evaluate")
@@ -463,10 +468,15 @@ class StageNode(Node):
 
     async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         message: Backward = self._decode(meta, Backward)
-        grad = self._hop_tensor(message, tensors)
+        grad = self._hop_tensor(peer, message, tensors)
         key = (message.path[0], message.iteration, message.microbatch)
-        if not self.worker.holds(key):
+        shape = self.worker.output_shape(key)
+        if shape is None:
             raise Rejected(ErrorCode.STALE, f"no activations held for microbatch {key}")
+        if tuple(grad.shape) != shape:
+            raise Rejected(
+                ErrorCode.MALFORMED, f"gradient of shape {tuple(grad.shape)} for outputs of {shape}"
+            )
         self.spawn(self._backward(message, key, grad), "backward")
         return encode(Ack()), []
 
@@ -496,10 +506,13 @@ class StageNode(Node):
         if self._stepping:
             return
         now = time.monotonic()
-        for origin, iteration in self.tracker.expire(now):
-            for key in [k for k in self.worker.expired(float("inf")) if k[:2] == (origin, iteration)]:
-                await self.compute.submit(Priority.BACKWARD, lambda key=key: self.worker.drop(key))
-                self.microbatches_lost += 1
+        self.tracker.expire(now)
+        open_groups = self.tracker.open_groups
+        if self.worker.in_flight:  # drop, in one job, what expired groups (or interrupted drops) left held
+            dropped = await self.compute.submit(
+                Priority.BACKWARD, lambda: self.worker.drop_groups_except(open_groups)
+            )
+            self.microbatches_lost += dropped
         decision = self.tracker.ready(self.worker.in_flight, now)
         if decision is None:
             return

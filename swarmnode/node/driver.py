@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 VALIDATION_BATCHES = 2
 WATCH_S = 1.0  # how often a waiting data node checks that the peers on pending paths are alive
+DEAD_GRACE_S = 2.0  # how long a microbatch may stay pending after a peer on its path was found dead
 EVALUATION_BASE = 2**62  # iteration numbers of validation passes, apart from training iterations
 
 
@@ -79,6 +80,7 @@ class DataNode(Node):
         self._validation = val_batches(corpus.val_tokens, spec.batch_size, spec.seq_len, VALIDATION_BATCHES)
         self.eval_every = eval_every
         self.iteration = 0
+        self._evaluations = 0
         self._current: _Iteration | None = None
         self.val_loss: float | None = None
 
@@ -152,7 +154,9 @@ class DataNode(Node):
     async def _run_iteration(
         self, planned: list[PlannedMicrobatch], data: list[tuple[Tensor, Tensor]], evaluation: bool = False
     ) -> tuple[list[float], int]:
-        number = EVALUATION_BASE + self.optimizer.step_count if evaluation else self.iteration
+        if evaluation:
+            self._evaluations += 1
+        number = EVALUATION_BASE + self._evaluations if evaluation else self.iteration
         iteration = _Iteration(number, evaluation=evaluation)
         self._current = iteration
         for plan, (_, targets) in zip(planned, data, strict=True):
@@ -182,10 +186,12 @@ class DataNode(Node):
 
     async def _await(self, iteration: _Iteration) -> None:
         """Wait for every microbatch, at most `iteration_timeout_s`. Every `WATCH_S` the peers on the paths of
-        pending microbatches are pinged: a microbatch whose path holds a dead peer is lost at once, so a node
-        that dies holding a microbatch stalls the iteration for seconds, not for the whole timeout."""
+        pending microbatches are pinged: a microbatch still pending `DEAD_GRACE_S` after a peer on its path
+        was found dead is lost, so a node that dies holding a microbatch stalls the iteration for seconds,
+        not for the whole timeout, while microbatches re-routed around it are given time to come back."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.spec.iteration_timeout_s
+        dead_since: dict[str, float] = {}
         while not iteration.finished.is_set():
             try:
                 await asyncio.wait_for(iteration.finished.wait(), WATCH_S)
@@ -197,9 +203,14 @@ class DataNode(Node):
                 return
             pending = [mb for mb in iteration.microbatches.values() if not mb.done]
             peers = sorted({peer for mb in pending for peer in mb.path if peer != self.me})
-            dead = set(peers) - set(await answering(self.transport, peers))
-            for peer in dead:
-                self.router.suspect(peer)
+            now = loop.time()
+            for peer in set(peers) - set(await answering(self.transport, peers)):
+                if peer not in dead_since:
+                    dead_since[peer] = now
+                    self.router.suspect(peer)
+            # a microbatch upstream of a dead peer is re-routed around it within milliseconds; one still
+            # pending DEAD_GRACE_S after its peer was found dead was held by that peer: it is lost
+            dead = {peer for peer, since in dead_since.items() if now - since >= DEAD_GRACE_S}
             for mb in pending:
                 if dead & set(mb.path) and not mb.done:
                     mb.loss = None
@@ -227,8 +238,11 @@ class DataNode(Node):
             plan.visits,
             evaluate=iteration.evaluation,
         )
-        if await self.router.forward(first, hidden) is None:
+        sent = await self.router.forward(first, hidden)
+        if sent is None:
             await self._lose(iteration, mb, key, "first hop unreachable")
+        elif not mb.done:
+            mb.path = sent.path  # the first hop may have been re-routed
 
     async def _lose(self, iteration: _Iteration, mb: _Microbatch, key: Key, reason: str) -> None:
         logger.info("microbatch %s lost: %s", key, reason)
@@ -251,7 +265,7 @@ class DataNode(Node):
             raise Rejected(
                 ErrorCode.WRONG_STAGE, f"forward hop {message.hop} of {len(message.path)} at a data node"
             )
-        hidden = self._hop_tensor(message, tensors)
+        hidden = self._hop_tensor(peer, message, tensors)
         iteration, mb = self._microbatch(message)
         mb.path = message.path
         self.spawn(self._head(iteration, mb, message, hidden), "head")
@@ -282,9 +296,13 @@ class DataNode(Node):
 
     async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         message: Backward = self._decode(meta, Backward)
-        grad = self._hop_tensor(message, tensors)
+        grad = self._hop_tensor(peer, message, tensors)
         iteration, mb = self._microbatch(message)
         key = (self.me, iteration.number, mb.planned.microbatch)
+        if self.worker.output_shape(key) != tuple(grad.shape):
+            raise Rejected(
+                ErrorCode.MALFORMED, f"gradient of shape {tuple(grad.shape)} does not fit microbatch {key}"
+            )
         self.spawn(self._finish(iteration, mb, key, grad), "finish")
         return encode(Ack()), []
 

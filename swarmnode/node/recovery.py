@@ -159,10 +159,28 @@ def _evidence(header: StateTransfer, tensors: state.TensorMap) -> dict[str, Any]
     return {"stage": header.stage, "step": header.step, "grad_norm": header.grad_norm, "tensors": tensors}
 
 
+RECOVERY_ATTEMPTS = 3
+
+
 async def recover(node: Node) -> None:
-    """Run `obtain_state` and report it: a `recovered` event and the record's recovery fields."""
+    """Run `obtain_state` and report it: a `recovered` event and the record's recovery fields.
+
+    A donor that dies between the ping and the fetch, or sends state that does not fit, costs an attempt:
+    the view is read again and the plan made again; after `RECOVERY_ATTEMPTS` the stage is re-initialised,
+    said plainly."""
     started = time.monotonic()
-    outcome = await obtain_state(node)
+    outcome = None
+    for attempt in range(1, RECOVERY_ATTEMPTS + 1):
+        try:
+            outcome = await obtain_state(node)
+            break
+        except (RecoveryFailed, TransportError, ProtocolError, state.StateMismatch, RuntimeError) as error:
+            logger.warning("recovery attempt %d of stage %d failed: %s", attempt, node.stage, error)
+            await node.refresh_snapshot()
+    else:
+        why = f"stage {node.stage} could not be recovered in {RECOVERY_ATTEMPTS} attempts; re-initialising it"
+        logger.warning("%s", why)
+        outcome = (Recovery(node.stage, Method.REINIT, (), True, 1.0, why), {"sources": [], "loaded": {}})
     if outcome is None:
         return
     plan, evidence = outcome

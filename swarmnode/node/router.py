@@ -19,12 +19,16 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.errors import ProtocolError
-from protocols.messages import Abort, Ack, Backward, Forward, TensorSpec, decode, encode
-from swarmnode.transport import Compression, Transport, TransportError
+from protocols.messages import Abort, Ack, Backward, Error, Forward, TensorSpec, decode, encode
+from swarmnode.transport import Compression, PeerUnreachable, Transport, TransportError
 
 logger = logging.getLogger(__name__)
 
 SUSPECT_SECONDS = 10.0
+
+
+class Refused(Exception):
+    """The peer is alive but refused the request (stale, busy, wrong stage): no reason to suspect it."""
 
 
 class Router:
@@ -70,11 +74,20 @@ class Router:
         return [peer for peer in self._online(stage) if not self.is_suspect(peer)]
 
     async def call(self, peer: str, method: str, meta: bytes, tensors: list[Tensor], timeout: float) -> None:
-        """One call that must be acknowledged; raises TransportError or ProtocolError otherwise."""
+        """One call that must be acknowledged. Raises Refused if the peer answered with an error (it is
+        alive), TransportError if it could not be reached, ProtocolError for a malformed answer."""
+        try:
+            peer_id = PeerID.from_base58(peer)
+        except ValueError as error:
+            raise PeerUnreachable(f"invalid peer id {peer!r}") from error
         reply, _ = await self.transport.call(
-            PeerID.from_base58(peer), method, meta, tensors, timeout=timeout, compression=self.compression
+            peer_id, method, meta, tensors, timeout=timeout, compression=self.compression
         )
-        decode(reply, Ack)
+        answer = decode(reply)
+        if isinstance(answer, Error):
+            raise Refused(f"{answer.code}: {answer.reason}")
+        if not isinstance(answer, Ack):
+            raise Refused(f"unexpected {type(answer).__name__} reply")
 
     async def forward(self, sent: Forward, hidden: Tensor) -> Forward | None:
         """Send `hidden` to the hop after `sent.hop`. Returns the message delivered, or None if it could not
@@ -100,6 +113,9 @@ class Router:
             try:
                 await self.call(target, "forward", encode(message), [hidden], self.hop_timeout_s)
                 return message
+            except Refused as error:
+                logger.info("forward to %s (stage %d) refused: %s", target[-8:], stages[nxt], error)
+                tried.add(target)
             except (TransportError, ProtocolError) as error:
                 logger.warning("forward to %s (stage %d) failed: %s", target[-8:], stages[nxt], error)
                 tried.add(target)
@@ -133,6 +149,9 @@ class Router:
         try:
             await self.call(target, "backward", encode(message), [grad], self.hop_timeout_s)
             return True
+        except Refused as error:
+            logger.info("backward to %s refused: %s", target[-8:], error)
+            return False
         except (TransportError, ProtocolError) as error:
             logger.warning("backward to %s failed: %s", target[-8:], error)
             self.suspect(target)
@@ -151,5 +170,5 @@ class Router:
     async def _try(self, peer: str, method: str, meta: bytes) -> None:
         try:
             await self.call(peer, method, meta, [], min(2.0, self.hop_timeout_s))
-        except (TransportError, ProtocolError) as error:
+        except (Refused, TransportError, ProtocolError) as error:
             logger.info("%s to %s failed: %s", method, peer[-8:], error)

@@ -63,6 +63,11 @@ class StepTracker:
         state.finished.add(key[2])
         state.applied += int(applied)
 
+    @property
+    def open_groups(self) -> set[Group]:
+        """Groups still waiting for microbatches (an expired group is no longer open)."""
+        return {group for group, state in self._groups.items() if not state.complete}
+
     def expire(self, now: float) -> list[Group]:
         """Give up on groups older than the expiry (now complete); the caller drops what they hold."""
         expired = [g for g, s in self._groups.items() if not s.complete and now - s.created > self.expiry_s]

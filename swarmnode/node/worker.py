@@ -43,9 +43,6 @@ class StageWorker:
     def in_flight(self) -> int:
         return len(self._held)
 
-    def holds(self, key: Key) -> bool:
-        return key in self._held
-
     def forward(self, key: Key, hidden: Tensor, now: float) -> Tensor:
         inputs = hidden.detach().float().requires_grad_(True)
         outputs = self.module(inputs)
@@ -65,8 +62,17 @@ class StageWorker:
         """Forget a microbatch (aborted); True if it was held."""
         return self._held.pop(key, None) is not None
 
-    def expired(self, before: float) -> list[Key]:
-        return [key for key, held in self._held.items() if held.created < before]
+    def drop_groups_except(self, open_groups: set[tuple[str, int]]) -> int:
+        """Forget every microbatch whose group is not open any more (expired, or closed while a drop was
+        interrupted); returns how many were dropped. On the compute thread, like every change of `_held`."""
+        stale = [key for key in self._held if key[:2] not in open_groups]
+        for key in stale:
+            del self._held[key]
+        return len(stale)
+
+    def output_shape(self, key: Key) -> tuple[int, ...] | None:
+        held = self._held.get(key)
+        return None if held is None else tuple(held.outputs.shape)
 
     def step(self, grad_scale: float) -> float:
         return self.optimizer.step(grad_scale)
@@ -110,6 +116,10 @@ class DataWorker:
 
     def drop(self, key: Key) -> bool:
         return self._embedded.pop(key, None) is not None
+
+    def output_shape(self, key: Key) -> tuple[int, ...] | None:
+        held = self._embedded.get(key)
+        return None if held is None else tuple(held.outputs.shape)
 
     def step(self, grad_scale: float = 1.0) -> float:
         return self.optimizer.step(grad_scale)
