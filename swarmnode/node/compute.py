@@ -35,7 +35,6 @@ class ComputeQueue:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmnode-compute")
         self._worker: asyncio.Task[None] | None = None
         self.busy_seconds = 0.0
-        self.tasks_done = 0
 
     def start(self) -> None:
         self._worker = asyncio.get_running_loop().create_task(self._run(), name="compute-queue")
@@ -67,7 +66,6 @@ class ComputeQueue:
                     future.set_result(result)
             finally:
                 self.busy_seconds += loop.time() - started
-                self.tasks_done += 1
 
     async def close(self) -> None:
         if self._worker is not None:

@@ -274,7 +274,8 @@ class Node:
         return encode(Ack()), []
 
     async def _on_ping(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        return encode(Ack()), []
+        """Alive, and serving which stage (a node that moved keeps its peer id but not its stage)."""
+        return encode(Ack(detail=str(self.stage))), []
 
     async def _on_hello(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         """A node just came online: read the DHT now rather than at the next refresh (used by data nodes)."""
@@ -528,9 +529,7 @@ class StageNode(Node):
         finally:
             self._stepping = False
 
-    def _step(self, groups: int) -> float | None:
-        if self.worker.in_flight:
-            return None  # defensive: never change weights a pending backward pass needs
+    def _step(self, groups: int) -> float:
         norm = self.worker.step(1.0 / groups)
         self.outer.apply_pending()
         return norm

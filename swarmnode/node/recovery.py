@@ -45,24 +45,25 @@ class RecoveryFailed(RuntimeError):
     """No donor could provide the state the recovery plan needs."""
 
 
-async def ping(transport: Transport, peer: str) -> bool:
+async def ping(transport: Transport, peer: str, stage: int | None = None) -> bool:
+    """Whether `peer` answers now (and, if `stage` is given, serves that stage)."""
     try:
         reply, _ = await transport.call(PeerID.from_base58(peer), "ping", b"", [], timeout=PING_TIMEOUT_S)
-        decode(reply, Ack)
-        return True
+        answer = decode(reply, Ack)
     except (TransportError, ProtocolError, ValueError):
         return False
+    return stage is None or answer.detail == str(stage)
 
 
-async def answering(transport: Transport, peers: list[str]) -> list[str]:
-    """The peers among `peers` that answer a ping now."""
-    answers = await asyncio.gather(*(ping(transport, p) for p in peers))
+async def answering(transport: Transport, peers: list[str], stage: int | None = None) -> list[str]:
+    """The peers among `peers` that answer a ping now (serving `stage`, if given)."""
+    answers = await asyncio.gather(*(ping(transport, p, stage) for p in peers))
     return [p for p, alive in zip(peers, answers, strict=True) if alive]
 
 
 async def live_peers(node: Node, stage: int) -> list[str]:
-    """Online peers of `stage` (other than this node) that answer a ping now."""
-    return await answering(node.transport, [p for p in node.snapshot.online(stage) if p != node.me])
+    """Online peers of `stage` (other than this node) that answer a ping now and still serve it."""
+    return await answering(node.transport, [p for p in node.snapshot.online(stage) if p != node.me], stage)
 
 
 async def trained_peers(node: Node, stage: int) -> list[str]:

@@ -74,7 +74,7 @@ async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, list[PeerRecord]]
     transport = Transport(await dht.replicate_p2p())
     live = {}
     for stage in range(spec.stages + 1):
-        answering_peers = set(await answering(transport, snapshot.online(stage)))
+        answering_peers = set(await answering(transport, snapshot.online(stage), stage))
         live[stage] = [
             p
             for p in snapshot.stages.get(stage, ())
@@ -178,6 +178,9 @@ async def _serve(node: Node) -> None:
             loss=node.last_loss,
             val_loss=node.val_loss,
             microbatches_lost=node.microbatches_lost,
+            failures_seen=node.router.failures_seen,
+            reroutes=node.router.reroutes,
+            skips=node.router.skips,
         )
     else:
         trainer.cancel()

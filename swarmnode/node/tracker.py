@@ -56,7 +56,8 @@ class StepTracker:
         return True
 
     def on_finished(self, key: Key, applied: bool) -> None:
-        """A microbatch finished here: its backward pass ran (`applied`) or it was aborted."""
+        """A microbatch finished here: its backward pass ran (`applied`) or it was aborted. An abort for a
+        group this node has not seen is ignored (the group expires if its planned visits never arrive)."""
         state = self._groups.get(key[:2])
         if state is None or key[2] in state.finished:
             return
