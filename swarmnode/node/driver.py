@@ -44,6 +44,7 @@ class _Microbatch:
     path: tuple[str, ...] = ()
     loss: float | None = None
     done: bool = False
+    returned: bool = False  # its activations came back (a second copy, from a timed-out hop, is refused)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class _Iteration:
     microbatches: dict[int, _Microbatch] = field(default_factory=dict)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     evaluation: bool = False
+    closed: bool = False  # the data node has stopped waiting: late work must not touch the gradients
 
     def check(self) -> None:
         if all(mb.done for mb in self.microbatches.values()):
@@ -164,6 +166,7 @@ class DataNode(Node):
         launches = zip(iteration.microbatches.values(), data, strict=True)
         await asyncio.gather(*(self._launch(iteration, mb, inputs) for mb, (inputs, _) in launches))
         await self._await(iteration)
+        iteration.closed = True
         lost = [mb for mb in iteration.microbatches.values() if mb.loss is None or not mb.done]
         for mb in lost:
             key = (self.me, iteration.number, mb.planned.microbatch)
@@ -267,6 +270,9 @@ class DataNode(Node):
             )
         hidden = self._hop_tensor(peer, message, tensors)
         iteration, mb = self._microbatch(message)
+        if mb.returned:
+            raise _stale(message)
+        mb.returned = True
         mb.path = message.path
         self.spawn(self._head(iteration, mb, message, hidden), "head")
         return encode(Ack()), []
@@ -279,9 +285,16 @@ class DataNode(Node):
             iteration.check()
             return
         scale = 1.0 / len(iteration.microbatches)
-        mb.loss, grad = await self.compute.submit(
-            Priority.BACKWARD, lambda: self.worker.loss_and_grad(hidden, mb.targets, scale)
-        )
+
+        def head() -> tuple[float, Tensor] | None:
+            if iteration.closed:  # the iteration has been stepped: this gradient belongs to no step
+                return None
+            return self.worker.loss_and_grad(hidden, mb.targets, scale)
+
+        result = await self.compute.submit(Priority.BACKWARD, head)
+        if result is None:
+            return
+        mb.loss, grad = result
         if not await self.router.backward(message, grad):
             mb.loss = None
             await self.router.abort(
@@ -307,7 +320,11 @@ class DataNode(Node):
         return encode(Ack()), []
 
     async def _finish(self, iteration: _Iteration, mb: _Microbatch, key: Key, grad: Tensor) -> None:
-        await self.compute.submit(Priority.BACKWARD, lambda: self.worker.finish(key, grad))
+        def finish() -> None:
+            if not iteration.closed:
+                self.worker.finish(key, grad)
+
+        await self.compute.submit(Priority.BACKWARD, finish)
         mb.done = True
         iteration.check()
 
