@@ -171,14 +171,7 @@ class DataNode(Node):
         for mb in lost:
             key = (self.me, iteration.number, mb.planned.microbatch)
             await self.compute.submit(Priority.BACKWARD, lambda key=key: self.worker.drop(key))
-            await self.router.abort(
-                self.spec.run_id,
-                self.me,
-                iteration.number,
-                mb.planned.microbatch,
-                mb.path,
-                "iteration timed out",
-            )
+            await self._abort_path(iteration, mb, "iteration timed out")
         if lost and not evaluation:
             self.microbatches_lost += len(lost)
             emit("microbatch_lost", step=self.optimizer.step_count, count=len(lost))
@@ -247,6 +240,12 @@ class DataNode(Node):
         elif not mb.done:
             mb.path = sent.path  # the first hop may have been re-routed
 
+    async def _abort_path(self, iteration: _Iteration, mb: _Microbatch, reason: str) -> None:
+        """Tell every node on the microbatch's path to drop it."""
+        await self.router.abort(
+            self.spec.run_id, self.me, iteration.number, mb.planned.microbatch, mb.path, reason
+        )
+
     async def _lose(self, iteration: _Iteration, mb: _Microbatch, key: Key, reason: str) -> None:
         logger.info("microbatch %s lost: %s", key, reason)
         await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
@@ -297,14 +296,7 @@ class DataNode(Node):
         mb.loss, grad = result
         if not await self.router.backward(message, grad):
             mb.loss = None
-            await self.router.abort(
-                self.spec.run_id,
-                self.me,
-                iteration.number,
-                mb.planned.microbatch,
-                mb.path,
-                "backward hop unreachable",
-            )
+            await self._abort_path(iteration, mb, "backward hop unreachable")
             await self._lose(iteration, mb, key, "backward hop unreachable")
 
     async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
