@@ -54,16 +54,17 @@ def text(limit: int, minimum: int = 0) -> Convert:
     return convert
 
 
-def number(minimum: float = -math.inf) -> Convert:
+def number(minimum: float = -math.inf, maximum: float = math.inf) -> Convert:
     def convert(value: Any, name: str) -> float:
         if not isinstance(value, bool) and isinstance(value, int | float):
             try:
                 result = float(value)
             except OverflowError:
                 result = math.inf
-            if math.isfinite(result) and result >= minimum:
+            if math.isfinite(result) and minimum <= result <= maximum:
                 return result
-        raise _fail(name, f"a finite number >= {minimum}", value)
+        bounds = f">= {minimum}" if maximum == math.inf else f"in {minimum}..{maximum}"
+        raise _fail(name, f"a finite number {bounds}", value)
 
     return convert
 

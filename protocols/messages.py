@@ -46,6 +46,7 @@ MAX_PATH = 64  # hops of one microbatch path
 MAX_ADDRS = 16
 MAX_STAGE = 1024
 MAX_VISITS = 4096  # microbatches of one iteration planned through one node
+MIN_LR_FACTOR, MAX_LR_FACTOR = 0.1, 10.0  # a learning-rate multiplier outside these corrupts weights
 DTYPES = frozenset(
     {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 )
@@ -188,7 +189,9 @@ class StateRequest(Message):
 
 @dataclass(frozen=True)
 class StateTransfer(Message):
-    """Header of a state transfer; `tensors` lists what follows. `grad_norm` is measured before clipping."""
+    """Header of a state transfer; `tensors` lists what follows. `grad_norm` is measured before clipping;
+    `lr_factor` is the donor's learning-rate multiplier (x1.1 after a CheckFree rebuild), which a replica
+    copying the donor takes over."""
 
     KIND: ClassVar[str] = "state_transfer"
     run_id: str = field(metadata=checked(_RUN))
@@ -198,6 +201,7 @@ class StateTransfer(Message):
     outer_step: int = field(metadata=checked(count()))
     grad_norm: float | None = field(metadata=checked(optional(number(0.0))))
     tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+    lr_factor: float = field(default=1.0, metadata=checked(number(MIN_LR_FACTOR, MAX_LR_FACTOR)))
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,6 @@ class StageOptimizer:
         return norm
 
     def reset(self, lr_factor: float) -> None:
-        """Fresh Adam moments and step count (a rebuilt stage), with the lr multiplied by `lr_factor`."""
+        """Fresh Adam moments (a rebuilt stage) and the lr multiplied by `lr_factor`; the schedule goes on."""
         self.adam.state.clear()
         self.lr_factor = lr_factor

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 import torch
-from swarm_harness import LocalTestSwarm, NodeProcess, group_members, poll, stage_peers
+from swarm_harness import HarnessError, LocalTestSwarm, NodeProcess, group_members, poll, stage_peers
 
 from swarmnode.pieces import build_piece
 from swarmnode.presets import get_preset
@@ -370,7 +370,12 @@ def test_two_adjacent_stages_lost_are_reinitialised(swarm: LocalTestSwarm) -> No
                 latest[events[-1]["stage"]] = events[-1]
         return latest if {1, 2} <= set(latest) else None
 
-    back = poll(online_stages, START_S, "stages 1 and 2 to be served again", alive=data.check_alive)
+    try:
+        back = poll(online_stages, START_S, "stages 1 and 2 to be served again", alive=data.check_alive)
+    except HarnessError as error:
+        kinds = ("joining", "recovered", "online", "moving")
+        seen = {node.name: [e for e in node.events() if e.get("event") in kinds] for node in new}
+        raise HarnessError(f"{error}; the replacements' events: {seen}") from error
     swarm.note_sockets()
     by_node = [(e, node) for node in new for e in node.events("recovered")]
     recovered = [e for e, _ in sorted(by_node, key=lambda pair: pair[0]["time"])]

@@ -15,7 +15,7 @@ from hivemind.utils import MSGPackSerializer
 from protocols.messages import NodeRecord, NodeState, StatePart, encode
 from swarmnode.model import ModelConfig, build_stage
 from swarmnode.node.planning import Snapshot, plan_iteration
-from swarmnode.node.run import choose_stage
+from swarmnode.node.run import choose_stage, leaves_claim
 from swarmnode.node.state import StateMismatch, load_optimizer, load_weights, optimizer_state, weights
 from swarmnode.node.tracker import StepTracker
 from swarmnode.optim import Schedule, StageOptimizer
@@ -128,6 +128,24 @@ def test_auto_takes_an_empty_stage_first_then_the_least_replicated() -> None:
     live[1] = peers(1, "a", throughput=10.0) + peers(1, "a2", throughput=10.0)
     assert choose_stage(live) == 3
     assert choose_stage({0: [], 1: peers(1, "a")}) == 0
+
+
+def test_a_claim_is_left_to_an_older_or_committed_rival() -> None:
+    def claim(name: str, expires: float, state: NodeState = NodeState.JOINING) -> PeerRecord:
+        return PeerRecord(name, record(2, state), expires)
+
+    assert not leaves_claim("b", [claim("b", 10.0)])
+    # both saw each other at the same age: the lower id keeps the stage, the other leaves
+    assert leaves_claim("b", [claim("a", 10.0), claim("b", 10.0)])
+    assert not leaves_claim("a", [claim("a", 10.0), claim("b", 10.0)])
+    # "a" claimed after "b" (b's first look missed it, so b kept the stage): a leaves despite its lower id
+    assert leaves_claim("a", [claim("a", 11.0), claim("b", 10.0)])
+    assert not leaves_claim("b", [claim("a", 11.0), claim("b", 10.0)])
+    # a rival already rebuilding or serving the stage keeps it, however young its record
+    assert leaves_claim("a", [claim("a", 10.0), claim("z", 99.0, NodeState.RECOVERING)])
+    assert leaves_claim("a", [claim("a", 10.0), claim("z", 99.0, NodeState.ONLINE)])
+    # my own claim is not visible (its store failed): no rival saw it, so I leave
+    assert leaves_claim("a", [claim("z", 99.0)])
 
 
 # ---- state transfer --------------------------------------------------------------------------------------

@@ -84,9 +84,26 @@ async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, list[PeerRecord]]
     return live
 
 
+def leaves_claim(me: str, claimants: list[PeerRecord]) -> bool:
+    """Whether this node, having claimed an empty stage, leaves it to a rival found there one record period
+    later. A rival that already rebuilds or serves the stage keeps it; of two claims the older one keeps it
+    (the lower peer id on a tie). Claims are ordered by expiry (same ttl, so by publication): a node whose
+    first look missed a rival, because the rival's claim was stored after it, sees that rival as younger,
+    and the rival, which did see it, leaves. My own claim missing from the view means no one saw it: leave.
+    """
+    mine = [p for p in claimants if p.peer_id == me]
+    rivals = [p for p in claimants if p.peer_id != me]
+    if not rivals:
+        return False
+    if not mine:
+        return True
+    own = (mine[0].expires_at, me)
+    return any(p.record.state != NodeState.JOINING or (p.expires_at, p.peer_id) < own for p in rivals)
+
+
 async def claim_stage(dht: SwarmDHT, spec: RunSpec) -> int:
-    """`--stage auto`: choose a stage, announce the claim, and look again after one record period; if a
-    peer with a lower id claimed the same empty stage meanwhile, leave it to that peer and choose again."""
+    """`--stage auto`: choose a stage; if it has no node, claim it, look again after one record period and
+    leave it if a rival keeps it (`leaves_claim`), then choose again among the stages not yet left."""
     taken: set[int] = set()
     while True:
         live = await live_view(dht, spec)
@@ -99,13 +116,10 @@ async def claim_stage(dht: SwarmDHT, spec: RunSpec) -> int:
             return stage  # not an empty stage: several joiners may share it
         await dht.publish(NodeRecord(NodeState.JOINING, stage, 0, 0), spec.record_ttl_s)
         await asyncio.sleep(CLAIM_SETTLE_S)  # a rival's claim, stored at the same moment, becomes visible
-        rivals = [
-            p.peer_id
-            for p in (await live_view(dht, spec))[stage]
-            if p.peer_id != dht.peer_id and p.record.state == NodeState.JOINING
-        ]
-        if not any(rival < dht.peer_id for rival in rivals) or len(taken) > spec.stages:
+        claimants = (await live_view(dht, spec))[stage]
+        if not leaves_claim(dht.peer_id, claimants) or len(taken) > spec.stages:
             return stage
+        logger.info("stage %d was claimed first by another joiner; choosing again", stage)
         taken.add(stage)
 
 

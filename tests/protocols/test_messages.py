@@ -62,6 +62,7 @@ EXAMPLES = [
         addrs=("/ip4/127.0.0.1/tcp/1",),
     ),
     NodeRecord(NodeState.JOINING, 4, 0, 0, grad_norm=1.7, copies=(StatePart.HEAD_COPY,)),
+    StateTransfer("run-1", 2, (StatePart.WEIGHTS, StatePart.OPTIMIZER), 7, 1, 0.5, PHI, lr_factor=1.1),
 ]
 
 
@@ -224,6 +225,9 @@ def test_local_construction_is_checked() -> None:
         Forward("run", 0, 0, ("a", "b"), 1, (0, 1), (1,))
     with pytest.raises(LocalProtocolError, match="loss"):
         NodeRecord(NodeState.ONLINE, 1, 0, 0, loss=math.inf)
+    for hostile in (0.0, 1e30, -1.1):  # a donor's lr factor must not blow up or freeze the receiver's weights
+        with pytest.raises(LocalProtocolError, match="lr_factor"):
+            StateTransfer("run", 1, ("weights",), 0, 0, None, (), lr_factor=hostile)
     with pytest.raises(LocalProtocolError, match="elements"):
         TensorSpec("x", (2**31, 2), "float32")
     with pytest.raises(LocalProtocolError, match="not a protocol message"):
