@@ -40,10 +40,10 @@ def test_tracker_steps_only_when_every_planned_microbatch_finished() -> None:
     tracker = StepTracker(expiry_s=30.0)
     assert tracker.on_forward(("d", 0, 0), expected=2, now=0.0)
     assert tracker.ready(held=1, now=0.1) is None
-    tracker.on_finished(("d", 0, 0), applied=True)
+    tracker.on_finished(("d", 0, 0), applied=True, now=0.0)
     assert tracker.ready(held=0, now=0.2) is None  # the second planned microbatch has not arrived
     assert tracker.on_forward(("d", 0, 1), expected=2, now=0.3)
-    tracker.on_finished(("d", 0, 1), applied=False)  # aborted
+    tracker.on_finished(("d", 0, 1), applied=False, now=0.0)  # aborted
     decision = tracker.ready(held=0, now=0.4)
     assert decision is not None and decision.groups == 1 and decision.applied == 1
 
@@ -52,8 +52,8 @@ def test_tracker_ignores_duplicates_and_late_messages() -> None:
     tracker = StepTracker(expiry_s=30.0)
     assert tracker.on_forward(("d", 0, 0), expected=1, now=0.0)
     assert not tracker.on_forward(("d", 0, 0), expected=1, now=0.0)  # duplicate
-    tracker.on_finished(("d", 0, 0), applied=True)
-    tracker.on_finished(("d", 0, 0), applied=True)  # never counted twice
+    tracker.on_finished(("d", 0, 0), applied=True, now=0.0)
+    tracker.on_finished(("d", 0, 0), applied=True, now=0.0)  # never counted twice
     decision = tracker.ready(held=0, now=1.0)
     assert decision is not None and decision.applied == 1
     assert not tracker.on_forward(("d", 0, 5), expected=1, now=2.0)  # the group is closed
@@ -62,7 +62,7 @@ def test_tracker_ignores_duplicates_and_late_messages() -> None:
 def test_tracker_expires_groups_that_never_complete() -> None:
     tracker = StepTracker(expiry_s=5.0)
     tracker.on_forward(("d", 3, 0), expected=2, now=0.0)
-    tracker.on_finished(("d", 3, 0), applied=True)
+    tracker.on_finished(("d", 3, 0), applied=True, now=0.0)
     assert tracker.expire(now=4.0) == []
     assert tracker.expire(now=6.0) == [("d", 3)]
     decision = tracker.ready(held=0, now=6.0)
@@ -73,9 +73,27 @@ def test_tracker_counts_groups_of_several_data_nodes() -> None:
     tracker = StepTracker(expiry_s=30.0)
     for origin in ("a", "b"):
         tracker.on_forward((origin, 0, 0), expected=1, now=0.0)
-        tracker.on_finished((origin, 0, 0), applied=True)
+        tracker.on_finished((origin, 0, 0), applied=True, now=0.0)
     decision = tracker.ready(held=0, now=1.0)
     assert decision is not None and decision.groups == 2
+
+
+def test_tracker_remembers_an_abort_that_arrives_before_its_group() -> None:
+    tracker = StepTracker(expiry_s=5.0)
+    tracker.on_finished(("d", 0, 1), applied=False, now=0.0)  # microbatch 1 died upstream, before reaching us
+    assert tracker.ready(held=0, now=0.1) is None  # an abort alone is no group to step for
+    assert tracker.on_forward(("d", 0, 0), expected=2, now=0.2)
+    assert not tracker.on_forward(("d", 0, 1), expected=2, now=0.3)  # an aborted microbatch is refused
+    tracker.on_finished(("d", 0, 0), applied=True, now=0.4)
+    decision = tracker.ready(held=0, now=0.5)  # no waiting for the microbatch that will never come
+    assert decision is not None and decision.applied == 1
+    # an early abort older than the expiry is forgotten; one for a closed group is ignored
+    tracker.on_finished(("d", 1, 0), applied=False, now=1.0)
+    tracker.on_finished(("d", 2, 0), applied=False, now=7.0)
+    tracker.on_finished(("d", 0, 1), applied=False, now=7.0)
+    assert tracker.on_forward(("d", 1, 1), expected=2, now=7.1)
+    tracker.on_finished(("d", 1, 1), applied=True, now=7.2)
+    assert tracker.ready(held=0, now=7.3) is None
 
 
 # ---- planning from records ------------------------------------------------------------------------------

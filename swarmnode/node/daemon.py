@@ -489,7 +489,7 @@ class StageNode(Node):
             grad_in = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.backward(key, grad))
         except MissingActivations:
             return  # aborted meanwhile
-        self.tracker.on_finished(key, applied=True)
+        self.tracker.on_finished(key, applied=True, now=time.monotonic())
         delivered = await self.router.backward(message, grad_in)
         if not delivered:
             await self._abort_everywhere(message, key, "previous hop unreachable")
@@ -501,7 +501,7 @@ class StageNode(Node):
 
     async def on_abort(self, key: Key, reason: str) -> None:
         dropped = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
-        self.tracker.on_finished(key, applied=False)
+        self.tracker.on_finished(key, applied=False, now=time.monotonic())
         if dropped:
             logger.info("dropped microbatch %s: %s", key, reason)
         await self.maybe_step()

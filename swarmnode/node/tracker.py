@@ -5,6 +5,10 @@ group's microbatches the plan sends through this node (`visits`); the group is c
 (or as many as actually arrived, if re-routing sent more) have finished their backward pass or were
 aborted. A node steps when every group it knows of is complete or expired and nothing is held, so no
 global barrier is needed and no microbatch is applied twice.
+
+An abort may arrive before any forward of its group (the microbatch died upstream, and this node is further
+down its path): it is remembered for one expiry period, so that the group, once its other microbatches
+arrive, does not wait for the one that never will.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from swarmnode.node.worker import Key
 
 Group = tuple[str, int]
+
+MAX_EARLY_ABORTS = 4096  # aborts remembered for groups not seen yet (a bound against a flood of them)
 
 
 @dataclass
@@ -42,27 +48,43 @@ class StepTracker:
         self.expiry_s = expiry_s
         self._groups: dict[Group, _GroupState] = {}
         self._closed: dict[Group, float] = {}  # finished groups, remembered to ignore late messages
+        self._early: dict[Group, tuple[float, set[int]]] = {}  # aborts of groups not seen yet
 
     def on_forward(self, key: Key, expected: int, now: float) -> bool:
         """A forward pass arrived. False if it belongs to a group this node already stepped past."""
         group = key[:2]
         if group in self._closed:
             return False
-        state = self._groups.setdefault(group, _GroupState(created=now))
+        state = self._groups.get(group)
+        if state is None:
+            state = self._groups[group] = _GroupState(created=now)
+            state.finished |= self._early.pop(group, (now, set()))[1]
         state.expected = max(state.expected, expected)
-        if key[2] in state.seen:
+        if key[2] in state.seen or key[2] in state.finished:
             return False
         state.seen.add(key[2])
         return True
 
-    def on_finished(self, key: Key, applied: bool) -> None:
+    def on_finished(self, key: Key, applied: bool, now: float) -> None:
         """A microbatch finished here: its backward pass ran (`applied`) or it was aborted. An abort for a
-        group this node has not seen is ignored (the group expires if its planned visits never arrive)."""
-        state = self._groups.get(key[:2])
-        if state is None or key[2] in state.finished:
+        group this node has not seen yet is remembered for one expiry period."""
+        group = key[:2]
+        state = self._groups.get(group)
+        if state is None:
+            if not applied and group not in self._closed:
+                self._remember_early(group, key[2], now)
+            return
+        if key[2] in state.finished:
             return
         state.finished.add(key[2])
         state.applied += int(applied)
+
+    def _remember_early(self, group: Group, microbatch: int, now: float) -> None:
+        for old in [g for g, (seen_at, _) in self._early.items() if now - seen_at > self.expiry_s]:
+            del self._early[old]
+        if sum(len(keys) for _, keys in self._early.values()) >= MAX_EARLY_ABORTS:
+            return
+        self._early.setdefault(group, (now, set()))[1].add(microbatch)
 
     @property
     def open_groups(self) -> set[Group]:
