@@ -178,6 +178,28 @@ class Abort(Message):
 
 
 @dataclass(frozen=True)
+class Route(Message):
+    """Tell a microbatch's data node (`path[0]`) the path it really takes: the sender, `path[hop]`, re-routed
+    the hop after it around a dead or refusing node, or skipped that stage. The data node then watches the
+    peers the microbatch really visits, not the ones it planned."""
+
+    KIND: ClassVar[str] = "route"
+    run_id: str = field(metadata=checked(_RUN))
+    iteration: int = field(metadata=checked(count()))
+    microbatch: int = field(metadata=checked(count()))
+    path: tuple[str, ...] = field(metadata=checked(items(text(MAX_ID, 1), MAX_PATH, 3)))
+    hop: int = field(metadata=checked(count(MAX_PATH - 1, 1)))
+
+    def _check(self) -> None:
+        if self.hop >= len(self.path) - 1:
+            raise LocalProtocolError(
+                f"hop: {self.hop} is not a stage node of a path of {len(self.path)} peers"
+            )
+        if self.path[0] != self.path[-1]:
+            raise LocalProtocolError("path: does not return to the data node it starts from")
+
+
+@dataclass(frozen=True)
 class StateRequest(Message):
     """Ask a live node of `stage` for parts of its state (a joining node or a CheckFree rebuild)."""
 

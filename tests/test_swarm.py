@@ -16,17 +16,9 @@ from statistics import mean
 from typing import Any
 
 import pytest
-from swarm_harness import (
-    CLIENTS,
-    LocalTestSwarm,
-    NodeProcess,
-    group_members,
-    poll,
-    stage_peers,
-    step_losses,
-    tcp_listeners_of,
-    udp_sockets_of,
-)
+from procinfo import group_members, tcp_listeners_of, udp_sockets_of
+from swarm_clients import CLIENTS
+from swarm_harness import LocalTestSwarm, NodeProcess, poll, stage_peers, step_losses
 
 pytestmark = pytest.mark.integration
 

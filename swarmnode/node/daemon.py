@@ -1,15 +1,15 @@
 """A swarmnode daemon: one node serving one stage of a run.
 
-It announces itself on the DHT, serves forward and backward passes of its stage (stage 0: drives whole
-iterations, see `node.driver`), steps its optimizer when the work planned through it is done, averages with
-a replica every H steps (NoLoCo), and rejects bad input from peers with a logged reason and a ban.
+It announces itself on the DHT, serves its state to joiners, averages with a replica every H steps
+(NoLoCo), and rejects bad input from peers with a logged reason and a ban. What a stage does with the
+microbatches routed to it is added by `node.stage.StageNode` (transformer stages) and `node.driver.DataNode`
+(stage 0, which drives whole iterations).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 from dataclasses import replace
@@ -20,7 +20,6 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.checkfree import Recovery
-from protocols.errors import RemoteProtocolError
 from protocols.messages import (
     Abort,
     Ack,
@@ -34,19 +33,18 @@ from protocols.messages import (
     StatePart,
     StateRequest,
     StateTransfer,
-    decode,
     encode,
 )
 from protocols.noloco import OuterConfig
 from swarmnode.dht import SwarmDHT
 from swarmnode.node import recovery, state
 from swarmnode.node.averaging import OuterLoop
+from swarmnode.node.checks import BANNED_FOR, M, Rejected, decode_from_peer, hop_tensor
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.router import Router
-from swarmnode.node.tracker import StepTracker
-from swarmnode.node.worker import Key, MissingActivations, StageWorker, check_activations
+from swarmnode.node.worker import Key
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import build_piece
 from swarmnode.presets import get_preset
@@ -56,16 +54,6 @@ from swarmnode.transport import Compression, Transport, TransportConfig
 logger = logging.getLogger(__name__)
 
 BAN_SECONDS = 60.0
-REBALANCE_S = 5.0
-
-
-class Rejected(Exception):
-    """A peer's request is refused; `code` and `reason` go back to it and into the log."""
-
-    def __init__(self, code: ErrorCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
 
 
 class Node:
@@ -140,6 +128,7 @@ class Node:
             ("state", self._on_state),
             ("ping", self._on_ping),
             ("hello", self._on_hello),
+            ("route", self._on_route),
         ):
             self.transport.register(method, self._guarded(handler))
         self.compute.start()
@@ -228,7 +217,7 @@ class Node:
             try:
                 return await handler(str(peer), meta, tensors)
             except Rejected as rejected:
-                if rejected.code in (ErrorCode.MALFORMED, ErrorCode.WRONG_RUN):
+                if rejected.code in BANNED_FOR:
                     self.transport.ban(peer, BAN_SECONDS)
                     logger.warning(
                         "rejected %s from %s and banned it: %s",
@@ -241,31 +230,12 @@ class Node:
 
         return serve
 
-    def _decode(self, meta: bytes, kind: type):  # type: ignore[no-untyped-def]
-        try:
-            message = decode(meta, kind)
-        except RemoteProtocolError as error:
-            raise Rejected(ErrorCode.MALFORMED, error.reason) from None
-        if getattr(message, "run_id", self.spec.run_id) != self.spec.run_id:
-            raise Rejected(ErrorCode.WRONG_RUN, f"run {message.run_id!r} is not {self.spec.run_id!r}")
-        return message
+    def _decode(self, meta: bytes, kind: type[M]) -> M:
+        return decode_from_peer(meta, kind, self.spec.run_id)
 
     def _hop_tensor(self, peer: str, message: Forward | Backward, tensors: list[Tensor]) -> Tensor:
-        if message.path[message.hop] != self.me or message.stages[message.hop] != self.stage:
-            raise Rejected(ErrorCode.WRONG_STAGE, f"hop {message.hop} is not this node (stage {self.stage})")
-        sender_hop = message.hop - 1 if isinstance(message, Forward) else message.hop + 1
-        if not 0 <= sender_hop < len(message.path) or message.path[sender_hop] != peer:
-            raise Rejected(
-                ErrorCode.MALFORMED, f"{peer[-8:]} is not hop {sender_hop} of this microbatch's path"
-            )
-        if len(tensors) != 1:
-            raise Rejected(ErrorCode.MALFORMED, f"expected one tensor, got {len(tensors)}")
-        problem = check_activations(
-            tensors[0], self.spec.batch_size, self.spec.seq_len, self.model_config.dim
-        )
-        if problem is not None:
-            raise Rejected(ErrorCode.MALFORMED, problem)
-        return tensors[0]
+        shape = (self.spec.batch_size, self.spec.seq_len, self.model_config.dim)
+        return hop_tensor(self.me, self.stage, peer, message, tensors, shape)
 
     async def _on_abort(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         abort: Abort = self._decode(meta, Abort)
@@ -372,7 +342,7 @@ class Node:
         reply, out = self.outer.on_request(peer, request, tensors)
         return encode(reply), out
 
-    # ---- stage work, overridden by the data node ----------------------------------------------------------
+    # ---- stage work, overridden by StageNode and DataNode ----------------------------------------------
 
     async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         raise NotImplementedError
@@ -382,6 +352,9 @@ class Node:
 
     async def on_abort(self, key: Key, reason: str) -> None:
         raise NotImplementedError
+
+    async def _on_route(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        raise Rejected(ErrorCode.WRONG_STAGE, f"route notices go to data nodes, not to stage {self.stage}")
 
     async def maybe_step(self) -> None:
         raise NotImplementedError
@@ -403,136 +376,3 @@ class Node:
             self.spawn(
                 self.outer.run(self.optimizer.step_count, [*replicas, self.me], time.monotonic), "noloco"
             )
-
-
-class StageNode(Node):
-    """A node of transformer stage k >= 1: forward and backward passes for the microbatches routed here."""
-
-    def __init__(
-        self, spec: RunSpec, stage: int, dht: SwarmDHT, direct_host: str | None, rebalance: bool = False
-    ) -> None:
-        super().__init__(spec, stage, dht, direct_host)
-        self.worker = StageWorker(self.piece, self.optimizer)
-        self.tracker = StepTracker(spec.iteration_timeout_s)
-        self.rebalance = rebalance
-
-    async def start(self) -> None:
-        await super().start()
-        if self.rebalance:
-            self._tasks.append(
-                asyncio.create_task(self._every(REBALANCE_S, self.consider_moving), name="rebalance")
-            )
-
-    async def consider_moving(self) -> None:
-        """Move to a transformer stage with no live node if this stage keeps another live replica.
-
-        A random delay, then a second look, keeps two spare nodes from both moving at once most of the time
-        (if they do, the rebuilt stage simply has two replicas)."""
-        if not await self._lost_stages():
-            return
-        await asyncio.sleep(self.rng.uniform(0.0, REBALANCE_S / 2))
-        lost = await self._lost_stages()
-        if lost and await recovery.live_peers(self, self.stage):
-            self.move_to = lost[0]
-            logger.warning("stage %d lost; moving there from over-replicated stage %d", lost[0], self.stage)
-            self.stop()
-
-    async def _lost_stages(self) -> list[int]:
-        stages = [k for k in range(1, self.spec.stages + 1) if k != self.stage]
-        return [k for k in stages if not await recovery.live_peers(self, k)]
-
-    async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        message: Forward = self._decode(meta, Forward)
-        hidden = self._hop_tensor(peer, message, tensors)
-        key = (message.path[0], message.iteration, message.microbatch)
-        if message.evaluate:
-            self.spawn(self._evaluate(message, hidden), "evaluate")
-            return encode(Ack()), []
-        expected = message.visits[message.hop] if message.visits else 0
-        if not self.tracker.on_forward(key, expected, time.monotonic()):
-            raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
-        self.spawn(self._forward(message, key, hidden), "forward")
-        return encode(Ack()), []
-
-    async def _forward(self, message: Forward, key: Key, hidden: Tensor) -> None:
-        now = time.monotonic()
-        output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
-        self.tokens_processed += hidden.shape[0] * hidden.shape[1]
-        if await self.router.forward(message, output) is None:
-            await self._abort_everywhere(message, key, "next hop unreachable")
-
-    async def _evaluate(self, message: Forward, hidden: Tensor) -> None:
-        """A validation microbatch: forward only, nothing held, no gradient, not tracked."""
-
-        def run() -> Tensor:
-            with torch.no_grad():
-                return self.piece(hidden.float())
-
-        await self.router.forward(message, await self.compute.submit(Priority.FORWARD, run))
-
-    async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        message: Backward = self._decode(meta, Backward)
-        grad = self._hop_tensor(peer, message, tensors)
-        key = (message.path[0], message.iteration, message.microbatch)
-        shape = self.worker.output_shape(key)
-        if shape is None:
-            raise Rejected(ErrorCode.STALE, f"no activations held for microbatch {key}")
-        if tuple(grad.shape) != shape:
-            raise Rejected(
-                ErrorCode.MALFORMED, f"gradient of shape {tuple(grad.shape)} for outputs of {shape}"
-            )
-        self.spawn(self._backward(message, key, grad), "backward")
-        return encode(Ack()), []
-
-    async def _backward(self, message: Backward, key: Key, grad: Tensor) -> None:
-        try:
-            grad_in = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.backward(key, grad))
-        except MissingActivations:
-            return  # aborted meanwhile
-        self.tracker.on_finished(key, applied=True, now=time.monotonic())
-        delivered = await self.router.backward(message, grad_in)
-        if not delivered:
-            await self._abort_everywhere(message, key, "previous hop unreachable")
-        await self.maybe_step()
-
-    async def _abort_everywhere(self, message: Forward | Backward, key: Key, reason: str) -> None:
-        await self.on_abort(key, reason)
-        await self.router.abort(self.spec.run_id, key[0], key[1], key[2], message.path, reason)
-
-    async def on_abort(self, key: Key, reason: str) -> None:
-        dropped = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
-        self.tracker.on_finished(key, applied=False, now=time.monotonic())
-        if dropped:
-            logger.info("dropped microbatch %s: %s", key, reason)
-        await self.maybe_step()
-
-    async def maybe_step(self) -> None:
-        if self._stepping:
-            return
-        now = time.monotonic()
-        self.tracker.expire(now)
-        open_groups = self.tracker.open_groups
-        if self.worker.in_flight:  # drop, in one job, what expired groups (or interrupted drops) left held
-            dropped = await self.compute.submit(
-                Priority.BACKWARD, lambda: self.worker.drop_groups_except(open_groups)
-            )
-            self.microbatches_lost += dropped
-        decision = self.tracker.ready(self.worker.in_flight, now)
-        if decision is None:
-            return
-        self._stepping = True
-        try:
-            if decision.groups:
-                norm = await self.compute.submit(Priority.STEP, lambda: self._step(decision.groups))
-                if norm is not None and not math.isfinite(norm):
-                    logger.warning("non-finite gradient norm: update skipped")
-                await self.outer_step_if_due()
-                if self.copy_parts and self.optimizer.step_count % self.spec.copy_refresh_steps == 0:
-                    self.spawn(self.refresh_copies(), "copies")
-        finally:
-            self._stepping = False
-
-    def _step(self, groups: int) -> float:
-        norm = self.worker.step(1.0 / groups)
-        self.outer.apply_pending()
-        return norm

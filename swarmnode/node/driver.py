@@ -18,11 +18,12 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from protocols.messages import Ack, Backward, ErrorCode, Forward, encode
+from protocols.messages import Ack, Backward, ErrorCode, Forward, Route, encode
 from swarmnode.data import Corpus, batches, shard, val_batches
 from swarmnode.dht import SwarmDHT
+from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
-from swarmnode.node.daemon import Node, Rejected
+from swarmnode.node.daemon import Node
 from swarmnode.node.events import emit
 from swarmnode.node.planning import PlannedMicrobatch, plan_iteration
 from swarmnode.node.recovery import answering
@@ -45,6 +46,7 @@ class _Microbatch:
     loss: float | None = None
     done: bool = False
     returned: bool = False  # its activations came back (a second copy, from a timed-out hop, is refused)
+    routed_at: int = 0  # the hop of the latest re-route reported (`Route`); notices may arrive out of order
 
 
 @dataclass
@@ -85,6 +87,7 @@ class DataNode(Node):
         self._evaluations = 0
         self._current: _Iteration | None = None
         self.val_loss: float | None = None
+        self.routes_reported = 0  # re-routes that stage nodes reported (`Route`)
 
     async def train(self) -> None:
         """Run iterations until the run's total steps; returns early if stopped."""
@@ -184,7 +187,7 @@ class DataNode(Node):
         """Wait for every microbatch, at most `iteration_timeout_s`. Every `WATCH_S` the peers on the paths of
         pending microbatches are pinged: a microbatch still pending `DEAD_GRACE_S` after a peer on its path
         was found dead is lost, so a node that dies holding a microbatch stalls the iteration for seconds,
-        not for the whole timeout, while microbatches re-routed around it are given time to come back."""
+        not for the whole timeout; microbatches re-routed around it (`_on_route`) come back."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.spec.iteration_timeout_s
         dead_since: dict[str, float] = {}
@@ -204,8 +207,9 @@ class DataNode(Node):
                 if peer not in dead_since:
                     dead_since[peer] = now
                     self.router.suspect(peer)
-            # a microbatch upstream of a dead peer is re-routed around it within milliseconds; one still
-            # pending DEAD_GRACE_S after its peer was found dead was held by that peer: it is lost
+            # a microbatch upstream of a dead peer is re-routed around it within milliseconds, and the
+            # `route` notice takes the peer off its path; one whose path still has the peer DEAD_GRACE_S
+            # after it was found dead was held by that peer: it is lost
             dead = {peer for peer, since in dead_since.items() if now - since >= DEAD_GRACE_S}
             for mb in pending:
                 if dead & set(mb.path) and not mb.done:
@@ -252,7 +256,7 @@ class DataNode(Node):
         mb.done = True
         iteration.check()
 
-    def _microbatch(self, message: Forward | Backward) -> tuple[_Iteration, _Microbatch]:
+    def _microbatch(self, message: Forward | Backward | Route) -> tuple[_Iteration, _Microbatch]:
         iteration = self._current
         if message.path[0] != self.me or iteration is None or message.iteration != iteration.number:
             raise _stale(message)
@@ -274,6 +278,16 @@ class DataNode(Node):
         mb.returned = True
         mb.path = message.path
         self.spawn(self._head(iteration, mb, message, hidden), "head")
+        return encode(Ack()), []
+
+    async def _on_route(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        route: Route = self._decode(meta, Route)
+        if route.path[route.hop] != peer:
+            raise Rejected(ErrorCode.MALFORMED, f"{peer[-8:]} is not hop {route.hop} of the path it reports")
+        _, mb = self._microbatch(route)
+        if route.hop > mb.routed_at and not mb.returned:
+            mb.path, mb.routed_at = route.path, route.hop
+            self.routes_reported += 1
         return encode(Ack()), []
 
     async def _head(self, iteration: _Iteration, mb: _Microbatch, message: Forward, hidden: Tensor) -> None:
@@ -337,7 +351,7 @@ class DataNode(Node):
             return float(self.piece.loss(hidden.float(), targets))
 
 
-def _stale(message: Forward | Backward) -> Rejected:
+def _stale(message: Forward | Backward | Route) -> Rejected:
     return Rejected(
         ErrorCode.STALE, f"microbatch {message.microbatch} of iteration {message.iteration} is not pending"
     )

@@ -2,7 +2,8 @@
 
 A forward hop that fails (the peer is dead, frozen past the timeout, or refuses) is re-sent to another
 online replica of the same stage; if the stage has none, the hop skips past it (SkipPipe tolerates skipped
-stages). The path in the message is rewritten, so the backward pass retraces the path actually taken.
+stages). The path in the message is rewritten, so the backward pass retraces the path actually taken, and
+the data node is told the new path (`Route`), so it watches the peers the microbatch really visits.
 A backward hop cannot be re-routed (the activations live on that node): the microbatch is aborted on every
 node of its path, and counted lost by its data node.
 """
@@ -19,7 +20,7 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.errors import ProtocolError
-from protocols.messages import Abort, Ack, Backward, Error, Forward, TensorSpec, decode, encode
+from protocols.messages import Abort, Ack, Backward, Error, Forward, Route, TensorSpec, decode, encode
 from swarmnode.transport import Compression, PeerUnreachable, Transport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,15 @@ class Router:
             logger.warning("backward to %s failed: %s", target[-8:], error)
             self.suspect(target)
             return False
+
+    async def report_route(self, delivered: Forward) -> None:
+        """Tell the data node the path its microbatch really takes, after this node re-routed the next hop
+        (best effort, bounded)."""
+        sender = delivered.hop - 1
+        if sender < 1:
+            return  # the data node itself sent it: it knows the path
+        route = Route(delivered.run_id, delivered.iteration, delivered.microbatch, delivered.path, sender)
+        await self._try(delivered.path[0], "route", encode(route))
 
     async def abort(
         self, run_id: str, origin: str, iteration: int, microbatch: int, path: tuple[str, ...], reason: str

@@ -15,11 +15,12 @@ import torch
 from protocols.messages import NodeRecord, NodeState
 from swarmnode.data import load_corpus
 from swarmnode.dht import SwarmDHT
-from swarmnode.node.daemon import Node, StageNode
+from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
 from swarmnode.node.events import emit
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.recovery import answering
+from swarmnode.node.stage import StageNode
 from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Transport
@@ -195,6 +196,7 @@ async def _serve(node: Node) -> None:
             failures_seen=node.router.failures_seen,
             reroutes=node.router.reroutes,
             skips=node.router.skips,
+            routes_reported=node.routes_reported,
         )
     else:
         trainer.cancel()

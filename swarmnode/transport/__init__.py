@@ -9,9 +9,11 @@
 Messages of any size (far past hivemind's 4 MiB unary cap) travel as length-prefixed frames over pooled,
 persistent libp2p streams, or over direct TCP streams negotiated through libp2p when `direct_host` is set
 (loopback and trusted networks). Tensors travel as hivemind.compression's NONE or FLOAT16; the wire format
-and its checks are in `_framing`, the paths and their failure modes in `_transport`.
+and its checks are in `_framing`; the `Transport` facade is in `_transport`, its settings in `_config`, the
+calling side's streams in `_pool`, the serving side in `_serving`, the direct TCP path in `_direct`.
 """
 
+from swarmnode.transport._config import TransportConfig, TransportStats
 from swarmnode.transport._errors import (
     CallTimeout,
     PeerUnreachable,
@@ -20,7 +22,8 @@ from swarmnode.transport._errors import (
     TransportError,
 )
 from swarmnode.transport._framing import DTYPES, Compression, Limits
-from swarmnode.transport._transport import Handler, Transport, TransportConfig, TransportStats
+from swarmnode.transport._serving import Handler
+from swarmnode.transport._transport import Transport
 
 __all__ = [
     "DTYPES",

@@ -25,6 +25,7 @@ from protocols.messages import (
     Forward,
     NodeRecord,
     NodeState,
+    Route,
     StatePart,
     StateRequest,
     StateTransfer,
@@ -63,7 +64,9 @@ EXAMPLES = [
     ),
     NodeRecord(NodeState.JOINING, 4, 0, 0, grad_norm=1.7, copies=(StatePart.HEAD_COPY,)),
     StateTransfer("run-1", 2, (StatePart.WEIGHTS, StatePart.OPTIMIZER), 7, 1, 0.5, PHI, lr_factor=1.1),
+    Route("run-1", 7, 3, (*PATH, PATH[0]), 1),
 ]
+ROUTE = EXAMPLES[-1]
 
 
 def wire(message: object) -> dict:
@@ -200,6 +203,10 @@ FORWARD, TRANSFER, RECORD = EXAMPLES[0], EXAMPLES[4], EXAMPLES[12]
         (mutate(EXAMPLES[6], theta=wire(EXAMPLES[6])["theta"][:1]), "same non-empty"),
         (mutate(EXAMPLES[8], phi=wire(EXAMPLES[6])["phi"]), "declining reply carries no tensors"),
         (mutate(EXAMPLES[11], code="teapot"), "code"),
+        (mutate(ROUTE, hop=0), "hop"),  # the data node itself needs no notice
+        (mutate(ROUTE, hop=3), "hop: 3 is not a stage node"),  # the last hop is the data node
+        (mutate(ROUTE, path=[*PATH, "12D3KooWZ"]), "does not return"),
+        (mutate(ROUTE, path=PATH[:1] * 2), "path"),
     ],
 )
 def test_bad_fields_are_rejected_with_a_reason(data: bytes, words: str) -> None:

@@ -1,0 +1,162 @@
+"""A node of a transformer stage: forward and backward passes of the microbatches routed to it, a step when
+the work planned through it is done, and (with `--rebalance`) a move to a stage that lost all its nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import torch
+from torch import Tensor
+
+from protocols.messages import Ack, Backward, ErrorCode, Forward, encode
+from swarmnode.dht import SwarmDHT
+from swarmnode.node import recovery
+from swarmnode.node.checks import Rejected
+from swarmnode.node.compute import Priority
+from swarmnode.node.daemon import Node
+from swarmnode.node.tracker import StepTracker
+from swarmnode.node.worker import Key, MissingActivations, StageWorker
+from swarmnode.runspec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+REBALANCE_S = 5.0
+
+
+class StageNode(Node):
+    """A node of transformer stage k >= 1: forward and backward passes for the microbatches routed here."""
+
+    def __init__(
+        self, spec: RunSpec, stage: int, dht: SwarmDHT, direct_host: str | None, rebalance: bool = False
+    ) -> None:
+        super().__init__(spec, stage, dht, direct_host)
+        self.worker = StageWorker(self.piece, self.optimizer)
+        self.tracker = StepTracker(spec.iteration_timeout_s)
+        self.rebalance = rebalance
+
+    async def start(self) -> None:
+        await super().start()
+        if self.rebalance:
+            self._tasks.append(
+                asyncio.create_task(self._every(REBALANCE_S, self.consider_moving), name="rebalance")
+            )
+
+    async def consider_moving(self) -> None:
+        """Move to a transformer stage with no live node if this stage keeps another live replica.
+
+        A random delay, then a second look, keeps two spare nodes from both moving at once most of the time
+        (if they do, the rebuilt stage simply has two replicas)."""
+        if not await self._lost_stages():
+            return
+        await asyncio.sleep(self.rng.uniform(0.0, REBALANCE_S / 2))
+        lost = await self._lost_stages()
+        if lost and await recovery.live_peers(self, self.stage):
+            self.move_to = lost[0]
+            logger.warning("stage %d lost; moving there from over-replicated stage %d", lost[0], self.stage)
+            self.stop()
+
+    async def _lost_stages(self) -> list[int]:
+        stages = [k for k in range(1, self.spec.stages + 1) if k != self.stage]
+        return [k for k in stages if not await recovery.live_peers(self, k)]
+
+    async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        message: Forward = self._decode(meta, Forward)
+        hidden = self._hop_tensor(peer, message, tensors)
+        key = (message.path[0], message.iteration, message.microbatch)
+        if message.evaluate:
+            self.spawn(self._evaluate(message, hidden), "evaluate")
+            return encode(Ack()), []
+        expected = message.visits[message.hop] if message.visits else 0
+        if not self.tracker.on_forward(key, expected, time.monotonic()):
+            raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
+        self.spawn(self._forward(message, key, hidden), "forward")
+        return encode(Ack()), []
+
+    async def _forward(self, message: Forward, key: Key, hidden: Tensor) -> None:
+        now = time.monotonic()
+        output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
+        self.tokens_processed += hidden.shape[0] * hidden.shape[1]
+        delivered = await self.router.forward(message, output)
+        if delivered is None:
+            await self._abort_everywhere(message, key, "next hop unreachable")
+        elif delivered.path != message.path:
+            await self.router.report_route(delivered)
+
+    async def _evaluate(self, message: Forward, hidden: Tensor) -> None:
+        """A validation microbatch: forward only, nothing held, no gradient, not tracked."""
+
+        def run() -> Tensor:
+            with torch.no_grad():
+                return self.piece(hidden.float())
+
+        await self.router.forward(message, await self.compute.submit(Priority.FORWARD, run))
+
+    async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        message: Backward = self._decode(meta, Backward)
+        grad = self._hop_tensor(peer, message, tensors)
+        key = (message.path[0], message.iteration, message.microbatch)
+        shape = self.worker.output_shape(key)
+        if shape is None:
+            raise Rejected(ErrorCode.STALE, f"no activations held for microbatch {key}")
+        if tuple(grad.shape) != shape:
+            raise Rejected(
+                ErrorCode.MALFORMED, f"gradient of shape {tuple(grad.shape)} for outputs of {shape}"
+            )
+        self.spawn(self._backward(message, key, grad), "backward")
+        return encode(Ack()), []
+
+    async def _backward(self, message: Backward, key: Key, grad: Tensor) -> None:
+        try:
+            grad_in = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.backward(key, grad))
+        except MissingActivations:
+            return  # aborted meanwhile
+        self.tracker.on_finished(key, applied=True, now=time.monotonic())
+        delivered = await self.router.backward(message, grad_in)
+        if not delivered:
+            await self._abort_everywhere(message, key, "previous hop unreachable")
+        await self.maybe_step()
+
+    async def _abort_everywhere(self, message: Forward | Backward, key: Key, reason: str) -> None:
+        await self.on_abort(key, reason)
+        await self.router.abort(self.spec.run_id, key[0], key[1], key[2], message.path, reason)
+
+    async def on_abort(self, key: Key, reason: str) -> None:
+        dropped = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
+        self.tracker.on_finished(key, applied=False, now=time.monotonic())
+        if dropped:
+            logger.info("dropped microbatch %s: %s", key, reason)
+        await self.maybe_step()
+
+    async def maybe_step(self) -> None:
+        if self._stepping:
+            return
+        now = time.monotonic()
+        self.tracker.expire(now)
+        open_groups = self.tracker.open_groups
+        if self.worker.in_flight:  # drop, in one job, what expired groups (or interrupted drops) left held
+            dropped = await self.compute.submit(
+                Priority.BACKWARD, lambda: self.worker.drop_groups_except(open_groups)
+            )
+            self.microbatches_lost += dropped
+        decision = self.tracker.ready(self.worker.in_flight, now)
+        if decision is None:
+            return
+        self._stepping = True
+        try:
+            if decision.groups:
+                norm = await self.compute.submit(Priority.STEP, lambda: self._step(decision.groups))
+                if norm is not None and not math.isfinite(norm):
+                    logger.warning("non-finite gradient norm: update skipped")
+                await self.outer_step_if_due()
+                if self.copy_parts and self.optimizer.step_count % self.spec.copy_refresh_steps == 0:
+                    self.spawn(self.refresh_copies(), "copies")
+        finally:
+            self._stepping = False
+
+    def _step(self, groups: int) -> float:
+        norm = self.worker.step(1.0 / groups)
+        self.outer.apply_pending()
+        return norm

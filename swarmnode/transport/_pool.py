@@ -1,0 +1,135 @@
+"""The calling side's streams: opening libp2p streams, one request and reply per use, and an idle pool.
+
+A stream serves one call at a time; after a clean reply (or an error answer that leaves it open) it goes back
+to a small pool of idle streams, newest reused first, oldest closed first beyond `max_idle_streams`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import suppress
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarmnode.transport._config import TransportConfig, TransportStats
+from swarmnode.transport._errors import PeerUnreachable, ProtocolError, RemoteError, TransportError
+from swarmnode.transport._framing import Buffer, Error, Response, prepare_writer, read_frame, write_frame
+
+# Error codes after which the server closes the stream: such a stream is not reused.
+_CLOSING_CODES = frozenset({"bad_request", "banned", "overloaded"})
+
+
+@dataclass(eq=False)
+class Stream:
+    """One outbound stream to a peer, over libp2p or direct TCP."""
+
+    peer_id: PeerID
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    direct: bool
+    host: str | None  # the peer's IP as this stream reaches it (None through a relay)
+
+    def usable(self) -> bool:
+        return not (self.reader.at_eof() or self.reader.exception() or self.writer.is_closing())
+
+
+class StreamPool:
+    """Outbound streams of one transport: opens libp2p streams and keeps idle ones (any path) for reuse."""
+
+    def __init__(self, p2p: P2P, config: TransportConfig, stats: TransportStats) -> None:
+        self._p2p = p2p
+        self._config = config
+        self._stats = stats
+        self._idle: list[Stream] = []  # oldest first
+
+    def take(self, peer_id: PeerID, direct: bool) -> Stream | None:
+        """An idle usable stream to `peer_id` on the given path, or None; unusable ones met are closed."""
+        for i in range(len(self._idle) - 1, -1, -1):
+            stream = self._idle[i]
+            if stream.peer_id == peer_id and stream.direct == direct:
+                del self._idle[i]
+                if stream.usable():
+                    return stream
+                stream.writer.close()
+        return None
+
+    def release(self, stream: Stream) -> None:
+        """Keep `stream` for reuse if it is still usable, else close it."""
+        if not stream.usable():
+            stream.writer.close()
+            return
+        self._idle.append(stream)
+        while len(self._idle) > self._config.max_idle_streams:
+            self._idle.pop(0).writer.close()
+
+    def close(self) -> None:
+        """Close every idle stream."""
+        for stream in self._idle:
+            stream.writer.close()
+        self._idle.clear()
+
+    async def open(self, peer_id: PeerID) -> Stream:
+        """Open a libp2p stream."""
+        # Shielded so that a timeout cannot strand a half-open stream: if the caller gives up, the opening
+        # finishes on its own and is closed.
+        opening = asyncio.ensure_future(self._p2p.call_binary_stream_handler(peer_id, self._config.protocol))
+        try:
+            info, reader, writer = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(_close_opened)
+            raise
+        except P2PDaemonError as e:
+            raise PeerUnreachable(f"cannot open a stream to {peer_id}: {e}") from None
+        except OSError as e:
+            raise TransportError(f"local p2p daemon unavailable: {e}") from None
+        prepare_writer(writer)
+        self._stats.streams_opened["libp2p"] += 1
+        return Stream(peer_id, reader, writer, direct=False, host=_ip_of(info.addr))
+
+    async def exchange(
+        self, stream: Stream, method: str, frame: list[Buffer]
+    ) -> tuple[bytes, list[torch.Tensor]]:
+        """One request and its reply on `stream`, which then goes back to the pool or is closed."""
+        reusable = False
+        try:
+            with suppress(ConnectionError):  # the peer may have refused early: its answer says why
+                await write_frame(stream.writer, frame)
+            head, tensors = await read_frame(stream.reader, self._config.limits)
+            if isinstance(head, Error):
+                reusable = head.code not in _CLOSING_CODES
+                raise RemoteError(head.code, head.message)
+            if not isinstance(head, Response):
+                raise ProtocolError(f"expected a response, got {type(head).__name__}")
+            reusable = True
+            return head.meta, tensors
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise PeerUnreachable(
+                f"stream to {stream.peer_id} broke during {method}: {type(e).__name__}"
+            ) from None
+        finally:
+            if reusable:
+                self.release(stream)
+            else:
+                stream.writer.close()
+
+
+def _ip_of(addr: Multiaddr) -> str | None:
+    names = {protocol.name for protocol in addr.protocols()}
+    if "p2p-circuit" in names:
+        return None
+    for name in ("ip4", "ip6"):
+        if name in names:
+            return addr.value_for_protocol(name)
+    return None
+
+
+def _close_opened(
+    opening: asyncio.Future[tuple[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter]],
+) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result()[2].close()

@@ -1,0 +1,161 @@
+"""Shared by tests/test_transport_*.py: a swarm of real p2pd processes on loopback, each with a transport.
+
+`running_swarm()` starts a serving node (plus a second one that bans nobody) and two callers (libp2p only, and
+with the direct TCP path) on one event loop, and on exit checks that no p2pd outlived its P2P.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import uvloop
+from hivemind.p2p import P2P, PeerID
+
+from swarmnode.transport import Limits, Transport, TransportConfig
+
+T = TypeVar("T")
+HOST = ["/ip4/127.0.0.1/tcp/0"]
+LIMITS = Limits(max_message_bytes=64 << 20)
+SERVER_CONFIG = TransportConfig(limits=LIMITS, header_timeout=0.5, ban_seconds=30.0, direct_host="127.0.0.1")
+LIBP2P = TransportConfig(limits=LIMITS)
+DIRECT = TransportConfig(limits=LIMITS, direct_host="127.0.0.1")
+
+
+def p2pd_children() -> set[int]:
+    """Pids of p2pd processes whose parent is this process (from /proc)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if name == "p2pd" and int(rest[1]) == os.getpid():
+            pids.add(int(entry))
+    return pids
+
+
+async def new_p2p(initial_peers: list[Any] | None = None) -> P2P:
+    return await P2P.create(initial_peers=initial_peers, host_maddrs=HOST, nat_port_map=False)
+
+
+@dataclass
+class Swarm:
+    """A serving node and two callers (one over libp2p only, one with the direct TCP path), one event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    server: Transport
+    lenient: Transport  # a second server that bans nobody
+    libp2p: Transport
+    direct: Transport
+    p2ps: list[P2P]
+
+    def run(self, coro: Awaitable[T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    async def spawn(self) -> P2P:
+        """One more P2P, connected to all the others (shut down with the swarm unless the test does)."""
+        p2p = await new_p2p([maddr for other in self.p2ps for maddr in await other.get_visible_maddrs()])
+        self.p2ps.append(p2p)
+        async with asyncio.timeout(10):  # until every p2pd knows the newcomer, so calls to it can dial
+            for other in self.p2ps[:-1]:
+                while p2p.peer_id not in {info.peer_id for info in await other.list_peers()}:
+                    await asyncio.sleep(0.02)
+        return p2p
+
+
+async def echo(peer_id: PeerID, meta: bytes, tensors: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    return meta, tensors
+
+
+async def _add(peer_id: PeerID, meta: bytes, tensors: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    return b"sum", [tensors[0] + tensors[1]]
+
+
+async def _mul(peer_id: PeerID, meta: bytes, tensors: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    await asyncio.sleep(0.01)
+    return b"product", [tensors[0] * tensors[1]]
+
+
+async def _fail(
+    peer_id: PeerID, meta: bytes, tensors: list[torch.Tensor]
+) -> tuple[bytes, list[torch.Tensor]]:
+    raise ValueError(f"cannot handle {meta.decode()}")
+
+
+async def _bad_reply(
+    peer_id: PeerID, meta: bytes, tensors: list[torch.Tensor]
+) -> tuple[bytes, list[torch.Tensor]]:
+    return b"", [torch.zeros(2, dtype=torch.float64)]
+
+
+@contextmanager
+def running_swarm() -> Iterator[Swarm]:
+    """The swarm, its server serving "echo", "add", "mul", "fail" and "bad"; the lenient one "echo"."""
+    loop = uvloop.new_event_loop()
+    before = p2pd_children()
+    p2ps: list[P2P] = []  # every P2P started, shut down at the end even if setup fails
+
+    async def start_p2p(initial_peers: list[Any] | None = None) -> P2P:
+        p2ps.append(await new_p2p(initial_peers))
+        return p2ps[-1]
+
+    async def setup() -> Swarm:
+        server_p2p = await start_p2p()
+        maddrs = await server_p2p.get_visible_maddrs()
+        libp2p_p2p, direct_p2p, lenient_p2p = (
+            await start_p2p(maddrs),
+            await start_p2p(maddrs),
+            await start_p2p(maddrs),
+        )
+        server = Transport(server_p2p, SERVER_CONFIG)
+        for name, handler in [
+            ("echo", echo),
+            ("add", _add),
+            ("mul", _mul),
+            ("fail", _fail),
+            ("bad", _bad_reply),
+        ]:
+            server.register(name, handler)
+        await server.start()
+        lenient = Transport(lenient_p2p, dataclasses.replace(SERVER_CONFIG, ban_seconds=0.0))
+        lenient.register("echo", echo)
+        await lenient.start()
+        libp2p, direct = Transport(libp2p_p2p, LIBP2P), Transport(direct_p2p, DIRECT)
+        await direct.start()
+        return Swarm(loop, server, lenient, libp2p, direct, p2ps)
+
+    async def teardown(swarm: Swarm | None) -> None:
+        if swarm is not None:
+            for transport in (swarm.server, swarm.lenient, swarm.libp2p, swarm.direct):
+                await transport.close()
+        for p2p in p2ps:
+            await p2p.shutdown()
+
+    swarm = None
+    try:
+        swarm = loop.run_until_complete(setup())
+        yield swarm
+    finally:
+        loop.run_until_complete(teardown(swarm))
+        loop.close()
+        assert p2pd_children() <= before, "a p2pd outlived its P2P"
+
+
+def call(
+    swarm: Swarm, caller: Transport, method: str, meta: bytes, tensors: list[torch.Tensor], **kwargs: Any
+) -> tuple[bytes, list[torch.Tensor]]:
+    """`caller` calls `method` on the swarm's server (timeout 10 s unless given)."""
+    return swarm.run(
+        caller.call(swarm.server.peer_id, method, meta, tensors, kwargs.pop("timeout", 10.0), **kwargs)
+    )
