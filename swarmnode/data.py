@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ __all__ = [
     "Corpus",
     "DataError",
     "batches",
+    "data_node_tokens",
     "encode_source",
     "load_corpus",
     "shard",
@@ -131,6 +133,18 @@ def shard(tokens: Tokens, index: int, count: int) -> Tokens:
         raise ValueError(f"shard index must be in [0, {count}), got {index}")
     n = len(tokens)
     return tokens[n * index // count : n * (index + 1) // count]
+
+
+def data_node_tokens(
+    tokens: np.ndarray, data_shard: tuple[int, int] | None, seed: int, node_id: str
+) -> tuple[np.ndarray, int]:
+    """What one data node reads, and the seed of its batch order: shard I/K of `tokens`, in an order fixed by
+    the run's `seed` and I; without a shard, all of `tokens`, in an order of the node's own (from its id), so
+    that data nodes started alike (the replicas of one compose service) do not train on the same batches."""
+    if data_shard is None:
+        return tokens, seed * 7919 + zlib.crc32(node_id.encode())
+    index, count = data_shard
+    return shard(tokens, index, count), seed * 7919 + index
 
 
 def batches(

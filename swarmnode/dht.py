@@ -4,12 +4,16 @@ node's record and the run definition, and read the swarm."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import hivemind
+from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 
 from protocols.messages import NodeRecord, encode
 from swarmnode.records import (
@@ -38,16 +42,48 @@ class RunNotFound(RuntimeError):
     """No valid run definition could be read from the DHT in time."""
 
 
+class DHTUnavailable(RuntimeError):
+    """The DHT could not start: no initial peer answered, or the address cannot be listened on."""
+
+
 def read_initial_peers(value: str | None) -> list[str]:
-    """Multiaddrs from `--initial-peers`: a comma/space separated list, or a file with one per line."""
+    """Multiaddrs from `--initial-peers`: a comma/space separated list, or a file with one per line.
+
+    Raises FileNotFoundError for a value that is neither, ValueError for an entry that is not a multiaddr
+    ending in the peer's id (`/ip4/HOST/tcp/PORT/p2p/PEER_ID`, as `bootstrap` prints them)."""
     if not value:
         return []
     path = Path(value)
+    source = "--initial-peers"
     if not value.startswith("/") or path.is_file():
         if not path.is_file():
             raise FileNotFoundError(f"initial peers {value!r} is neither a multiaddr nor a readable file")
-        value = path.read_text()
-    return [part for part in value.replace(",", " ").split() if part]
+        value, source = path.read_text(), str(path)
+    peers = [part for part in value.replace(",", " ").split() if part]
+    for peer in peers:
+        if _peer_id_of(peer) is None:
+            raise ValueError(
+                f"{peer[:200]!r} (from {source}) is not a multiaddr with a peer id, like "
+                "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
+            )
+    return peers
+
+
+def _peer_id_of(address: str) -> PeerID | None:
+    try:
+        return PeerID.from_base58(Multiaddr(address).value_for_protocol("p2p"))
+    except Exception:  # multiaddr raises several unrelated types for bad input
+        return None
+
+
+def _start_failure(message: str, host: str, port: int) -> str:
+    """One line for a p2pd that did not start, from its message (`Daemon failed to start: DATE TIME why`)."""
+    why = re.sub(r"^.*?failed to start:\s*(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s*)?", "", message).strip()
+    if "bootstrap peers" in why:
+        return f"no initial peer answered ({why}): check --initial-peers and that those peers are up"
+    if "listen" in why:
+        return f"cannot listen on {host}:{port} ({why.rsplit(': ', 1)[-1].strip('[] ')})"
+    return f"the p2p daemon did not start: {why or message}"
 
 
 class SwarmDHT:
@@ -64,16 +100,19 @@ class SwarmDHT:
     ) -> None:
         self.run_id = run_id
         self._signer, checker = make_validators(run_id)
-        self.dht = hivemind.DHT(
-            initial_peers=list(initial_peers),
-            start=True,
-            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-            nat_port_map=public,
-            client_mode=client_mode,
-            record_validators=[self._signer, checker],
-            await_ready=True,
-            shutdown_timeout=1.0,
-        )
+        try:
+            self.dht = hivemind.DHT(
+                initial_peers=list(initial_peers),
+                start=True,
+                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                nat_port_map=public,
+                client_mode=client_mode,
+                record_validators=[self._signer, checker],
+                await_ready=True,
+                shutdown_timeout=1.0,
+            )
+        except P2PDaemonError as error:  # p2pd exited at start: its last words say why
+            raise DHTUnavailable(_start_failure(str(error), host, port)) from None
         self.peer_id = str(self.dht.peer_id)
         self._p2p: hivemind.P2P | None = None
         self._subkey = owned_subkey(self.peer_id, self._signer)

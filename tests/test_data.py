@@ -19,7 +19,16 @@ from hypothesis import strategies as st
 
 from swarmnode import data as data_module
 from swarmnode import tokenizer as tokenizer_module
-from swarmnode.data import Corpus, DataError, batches, encode_source, load_corpus, shard, val_batches
+from swarmnode.data import (
+    Corpus,
+    DataError,
+    batches,
+    data_node_tokens,
+    encode_source,
+    load_corpus,
+    shard,
+    val_batches,
+)
 from swarmnode.datasource import (
     EXCLUDED_DIRS,
     Source,
@@ -290,3 +299,17 @@ def test_source_identity_changes_with_content(tmp_path: Path) -> None:
     path.write_text("second version")
     assert user_source(path).identity != before
     assert isinstance(user_source(path), Source)
+
+
+def test_data_nodes_read_their_shard_in_a_fixed_order_or_everything_in_their_own() -> None:
+    tokens = np.arange(1000, dtype=np.int32)
+    part, seed = data_node_tokens(tokens, (1, 4), 7, "12D3KooWA")
+    assert np.array_equal(part, shard(tokens, 1, 4))
+    assert data_node_tokens(tokens, (1, 4), 7, "12D3KooWB")[1] == seed  # a shard's order: the run's alone
+    assert data_node_tokens(tokens, (2, 4), 7, "12D3KooWA")[1] != seed
+    # without a shard (replicas of one compose service): all the data, each node in an order of its own
+    (all_a, seed_a), (all_b, seed_b) = (data_node_tokens(tokens, None, 7, p) for p in ("12D3KooWA", "B"))
+    assert np.array_equal(all_a, tokens) and np.array_equal(all_b, tokens)
+    assert seed_a != seed_b and data_node_tokens(tokens, None, 7, "12D3KooWA")[1] == seed_a
+    first_a, first_b = next(batches(all_a, 4, 16, seed_a))[0], next(batches(all_b, 4, 16, seed_b))[0]
+    assert not torch.equal(first_a, first_b)

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from swarmnode.data import DataError, load_corpus
-from swarmnode.dht import RunNotFound, read_initial_peers
+from swarmnode.dht import DHTUnavailable, RunNotFound, read_initial_peers
 from swarmnode.runspec import RunSpec, RunSpecError
 
 PEERS_HELP = "Multiaddrs (comma separated) or a file with one per line; also $SWARMNODE_INITIAL_PEERS."
@@ -38,7 +38,7 @@ def _logging(verbose: bool) -> None:
 def _peers_or_fail(value: str | None) -> list[str]:
     try:
         peers = read_initial_peers(value)
-    except (FileNotFoundError, OSError) as error:
+    except (OSError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--initial-peers") from None
     if not peers:
         raise click.BadParameter("no initial peers given", param_hint="--initial-peers")
@@ -110,7 +110,11 @@ def bootstrap(
     except (RunSpecError, ValueError, DataError) as error:
         raise click.UsageError(str(error.args[0] if error.args else error)) from None
     spec = spec.with_overrides(vocab_size=corpus.vocab_size)
-    raise SystemExit(_run_async(run_bootstrap(spec, host, port, public, peers_file)))
+    try:
+        code = _run_async(run_bootstrap(spec, host, port, public, peers_file))
+    except DHTUnavailable as error:
+        raise click.ClickException(str(error)) from None
+    raise SystemExit(code)
 
 
 def _stage(value: str) -> int | None:
@@ -127,9 +131,9 @@ def _stage(value: str) -> int | None:
     return stage
 
 
-def _shard(value: str | None) -> tuple[int, int]:
+def _shard(value: str | None) -> tuple[int, int] | None:
     if value is None:
-        return 0, 1
+        return None
     try:
         index, count = (int(part) for part in value.split("/"))
     except ValueError:
@@ -152,7 +156,12 @@ def _shard(value: str | None) -> tuple[int, int]:
     help="Also send tensors over plain TCP to peers that offer it (default: only on loopback).",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch threads for this node.")
-@click.option("--shard", default=None, help="Data nodes: the shard I/K of the training data to read.")
+@click.option(
+    "--shard",
+    default=None,
+    help="Data nodes: read only shard I/K of the training data, in a fixed order (default: all of it, in an "
+    "order of this node's own, so that replicas of a data node read different batches).",
+)
 @click.option(
     "--tokenizer", type=click.Path(path_type=Path), default=None, help="Data nodes: a tokenizer.json."
 )
@@ -181,7 +190,6 @@ def join(
 
     _logging(verbose)
     stage_id = _stage(stage)
-    shard_index, shard_count = _shard(shard)
     options = JoinOptions(
         run_id=run_id,
         stage=stage_id,
@@ -191,8 +199,7 @@ def join(
         public=public,
         direct=direct if direct is not None else host in ("127.0.0.1", "localhost", "::1"),
         threads=threads,
-        shard_index=shard_index,
-        shard_count=shard_count,
+        shard=_shard(shard),
         tokenizer=tokenizer,
         dump_recovery=dump_recovery,
         rebalance=rebalance,
@@ -203,6 +210,8 @@ def join(
         raise click.UsageError(str(error)) from None
     except RunNotFound as error:
         raise click.ClickException(f"{error} (check --run-id and --initial-peers)") from None
+    except DHTUnavailable as error:
+        raise click.ClickException(str(error)) from None
     raise SystemExit(code)
 
 
@@ -215,7 +224,10 @@ def status(initial_peers: str | None, run_id: str, as_json: bool, watch: bool) -
     """Show the swarm: stages, their peers and states, steps, loss, throughput (read from the DHT only)."""
     from swarmnode.status import SwarmObserver, format_table
 
-    observer = SwarmObserver(_peers_or_fail(initial_peers), run_id)
+    try:
+        observer = SwarmObserver(_peers_or_fail(initial_peers), run_id)
+    except DHTUnavailable as error:
+        raise click.ClickException(str(error)) from None
     try:
         while True:
             summary = observer.snapshot()

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from protocols.messages import Ack, Backward, ErrorCode, Forward, Route, encode
-from swarmnode.data import Corpus, batches, shard, val_batches
+from swarmnode.data import Corpus, batches, data_node_tokens, val_batches
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
@@ -71,16 +71,13 @@ class DataNode(Node):
         dht: SwarmDHT,
         direct_host: str | None,
         corpus: Corpus,
-        shard_index: int = 0,
-        shard_count: int = 1,
+        data_shard: tuple[int, int] | None = None,
         eval_every: int = 25,
     ) -> None:
         super().__init__(spec, 0, dht, direct_host)
         self.worker = DataWorker(self.piece, self.optimizer)
-        tokens = shard(corpus.train_tokens, shard_index, shard_count)
-        self._batches: Iterator[tuple[Tensor, Tensor]] = batches(
-            tokens, spec.batch_size, spec.seq_len, seed=spec.seed * 7919 + shard_index
-        )
+        tokens, seed = data_node_tokens(corpus.train_tokens, data_shard, spec.seed, self.me)
+        self._batches: Iterator[tuple[Tensor, Tensor]] = batches(tokens, spec.batch_size, spec.seq_len, seed)
         self._validation = val_batches(corpus.val_tokens, spec.batch_size, spec.seq_len, VALIDATION_BATCHES)
         self.eval_every = eval_every
         self.iteration = 0

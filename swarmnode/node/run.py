@@ -47,8 +47,7 @@ class JoinOptions:
     public: bool = False
     direct: bool = True
     threads: int | None = None
-    shard_index: int = 0
-    shard_count: int = 1
+    shard: tuple[int, int] | None = None  # (index, count); None: all the data, in this node's own order
     tokenizer: Path | None = None
     dump_recovery: Path | None = None
     rebalance: bool = False
@@ -165,7 +164,7 @@ def _build_node(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) 
             raise ValueError(
                 f"this node's tokenizer has {corpus.vocab_size} tokens, the run's model {spec.vocab_size}"
             )
-        node: Node = DataNode(spec, dht, direct, corpus, options.shard_index, options.shard_count)
+        node: Node = DataNode(spec, dht, direct, corpus, options.shard)
     else:
         node = StageNode(spec, stage, dht, direct, rebalance=options.rebalance)
     node.dump_dir = options.dump_recovery
