@@ -4,6 +4,7 @@ record validation and the run definition."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,7 +17,14 @@ from protocols.messages import NodeRecord, NodeState, StatePart, encode
 from swarmnode.model import ModelConfig, build_stage
 from swarmnode.node.planning import Snapshot, plan_iteration
 from swarmnode.node.run import choose_stage, leaves_claim
-from swarmnode.node.state import StateMismatch, load_optimizer, load_weights, optimizer_state, weights
+from swarmnode.node.state import (
+    StateMismatch,
+    check_replica_state,
+    load_replica_state,
+    load_weights,
+    optimizer_state,
+    weights,
+)
 from swarmnode.node.tracker import StepTracker
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.records import PeerRecord, SwarmRecordValidator, owned_subkey, peer_of_subkey, stage_key
@@ -94,6 +102,19 @@ def test_tracker_remembers_an_abort_that_arrives_before_its_group() -> None:
     assert tracker.on_forward(("d", 1, 1), expected=2, now=7.1)
     tracker.on_finished(("d", 1, 1), applied=True, now=7.2)
     assert tracker.ready(held=0, now=7.3) is None
+
+
+def test_tracker_waits_for_every_microbatch_it_holds_even_when_aborts_fill_the_count() -> None:
+    tracker = StepTracker(expiry_s=30.0)
+    assert tracker.on_forward(("d", 0, 0), expected=2, now=0.0)  # planned: mb0 and mb1
+    assert tracker.on_forward(("d", 0, 2), expected=2, now=0.1)  # mb2 re-routed here
+    tracker.on_finished(("d", 0, 1), applied=False, now=0.2)  # mb1 died upstream
+    tracker.on_finished(("d", 0, 2), applied=True, now=0.3)
+    assert tracker.open_groups == {("d", 0)}  # mb0 is still held: its backward must find it
+    assert tracker.ready(held=0, now=0.4) is None
+    tracker.on_finished(("d", 0, 0), applied=True, now=0.5)
+    decision = tracker.ready(held=0, now=0.6)
+    assert decision is not None and decision.applied == 2
 
 
 # ---- planning from records ------------------------------------------------------------------------------
@@ -180,15 +201,51 @@ def test_weights_and_optimizer_state_round_trip() -> None:
     donor(torch.randn(2, 4, 16)).sum().backward()
     donor_opt.step()
     receiver, receiver_opt = tiny_stage()
-    load_weights(receiver, weights(donor))
-    phi, delta = load_optimizer(
-        receiver, receiver_opt, optimizer_state(donor, donor_opt, weights(donor), None)
-    )
+    sent = {**weights(donor), **optimizer_state(donor, donor_opt, weights(donor), None)}
+    checked = check_replica_state(receiver, sent)
+    load_replica_state(receiver, receiver_opt, checked)
     for (name, a), (_, b) in zip(donor.named_parameters(), receiver.named_parameters(), strict=True):
         assert torch.equal(a, b), name
         assert torch.equal(donor_opt.adam.state[a]["exp_avg"], receiver_opt.adam.state[b]["exp_avg"])
-        assert torch.equal(phi[name], a.detach())
-    assert delta is None
+        assert torch.equal(checked.phi[name], a.detach())
+    assert checked.delta is None
+
+
+Poison = Callable[[dict[str, torch.Tensor], str], dict[str, torch.Tensor]]
+
+
+def donor_state() -> dict[str, torch.Tensor]:
+    donor, donor_opt = tiny_stage()
+    donor(torch.randn(2, 4, 16)).sum().backward()
+    donor_opt.step()
+    delta = {name: torch.zeros_like(t) for name, t in weights(donor).items()}
+    return {**weights(donor), **optimizer_state(donor, donor_opt, weights(donor), delta)}
+
+
+@pytest.mark.parametrize(
+    ("poison", "words"),
+    [
+        (lambda t, n: {f"adam.{n}.exp_avg_sq": -t[f"adam.{n}.exp_avg_sq"] - 1.0}, "negative"),
+        (lambda t, n: {f"adam.{n}.exp_avg": t[f"adam.{n}.exp_avg"].long()}, "floating-point"),
+        (lambda t, n: {f"adam.{n}.step": torch.tensor(-1.0)}, "negative"),
+        (lambda t, n: {f"adam.{n}.step": torch.ones(2)}, "not a scalar"),
+        (lambda t, n: {f"outer.phi.{n}": torch.full_like(t[n], math.nan)}, "outer phi"),
+        (lambda t, n: {f"outer.delta.{n}": torch.full_like(t[n], math.inf)}, "outer delta"),
+        (lambda t, n: {f"outer.phi.{n}": torch.zeros(3)}, "shape"),
+    ],
+)
+def test_a_poisoned_replica_state_is_refused_before_anything_changes(poison: Poison, words: str) -> None:
+    sent = donor_state()
+    name = next(n for n in sent if not n.startswith(("adam.", "outer.")))
+    receiver, receiver_opt = tiny_stage()
+    before = weights(receiver)
+    with pytest.raises(StateMismatch, match=words):
+        check_replica_state(receiver, {**sent, **poison(sent, name)})
+    incomplete = {k: v for k, v in sent.items() if k != f"adam.{name}.exp_avg"}
+    with pytest.raises(StateMismatch, match="incomplete"):
+        check_replica_state(receiver, incomplete)
+    assert all(torch.equal(t, before[n]) for n, t in weights(receiver).items())
+    assert not receiver_opt.adam.state
 
 
 def test_mismatched_or_poisoned_state_is_refused() -> None:

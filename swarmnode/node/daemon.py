@@ -303,10 +303,13 @@ class Node:
     def load_replica(self, header: StateTransfer, received: state.TensorMap) -> None:
         """On the compute thread: become a copy of a live replica (weights, Adam moments, NoLoCo state, lr
         factor)."""
-        names = {name for name, _ in self.piece.named_parameters()}
-        state.load_weights(self.piece, {n: t for n, t in received.items() if n in names})
-        phi, delta = state.load_optimizer(self.piece, self.optimizer, received)
-        self.outer.phi, self.outer.delta, self.outer.outer_step = phi, delta, header.outer_step
+        checked = state.check_replica_state(self.piece, received)  # refused state changes nothing
+        state.load_replica_state(self.piece, self.optimizer, checked)
+        self.outer.phi, self.outer.delta, self.outer.outer_step = (
+            checked.phi,
+            checked.delta,
+            header.outer_step,
+        )
         self.optimizer.step_count = header.step
         self.optimizer.last_grad_norm = header.grad_norm
         self.optimizer.lr_factor = header.lr_factor

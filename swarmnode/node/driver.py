@@ -167,7 +167,9 @@ class DataNode(Node):
         await asyncio.gather(*(self._launch(iteration, mb, inputs) for mb, (inputs, _) in launches))
         await self._await(iteration)
         iteration.closed = True
+        self._current = None  # from here on, late work of this iteration is refused as stale
         lost = [mb for mb in iteration.microbatches.values() if mb.loss is None or not mb.done]
+        losses = [mb.loss for mb in iteration.microbatches.values() if mb.done and mb.loss is not None]
         for mb in lost:
             key = (self.me, iteration.number, mb.planned.microbatch)
             await self.compute.submit(Priority.BACKWARD, lambda key=key: self.worker.drop(key))
@@ -175,10 +177,7 @@ class DataNode(Node):
         if lost and not evaluation:
             self.microbatches_lost += len(lost)
             emit("microbatch_lost", step=self.optimizer.step_count, count=len(lost))
-        self._current = None
-        return [mb.loss for mb in iteration.microbatches.values() if mb.done and mb.loss is not None], len(
-            lost
-        )
+        return losses, len(lost)
 
     async def _await(self, iteration: _Iteration) -> None:
         """Wait for every microbatch, at most `iteration_timeout_s`. Every `WATCH_S` the peers on the paths of
@@ -315,7 +314,10 @@ class DataNode(Node):
         grad = self._hop_tensor(peer, message, tensors)
         iteration, mb = self._microbatch(message)
         key = (self.me, iteration.number, mb.planned.microbatch)
-        if self.worker.output_shape(key) != tuple(grad.shape):
+        shape = self.worker.output_shape(key)
+        if shape is None:  # dropped meanwhile (lost, or the iteration closed)
+            raise _stale(message)
+        if shape != tuple(grad.shape):
             raise Rejected(
                 ErrorCode.MALFORMED, f"gradient of shape {tuple(grad.shape)} does not fit microbatch {key}"
             )
@@ -323,13 +325,15 @@ class DataNode(Node):
         return encode(Ack()), []
 
     async def _finish(self, iteration: _Iteration, mb: _Microbatch, key: Key, grad: Tensor) -> None:
-        def finish() -> None:
-            if not iteration.closed:
-                self.worker.finish(key, grad)
+        def finish() -> bool:
+            if iteration.closed or self.worker.output_shape(key) is None:  # lost meanwhile: no step's
+                return False
+            self.worker.finish(key, grad)
+            return True
 
-        await self.compute.submit(Priority.BACKWARD, finish)
-        mb.done = True
-        iteration.check()
+        if await self.compute.submit(Priority.BACKWARD, finish):
+            mb.done = True
+            iteration.check()
 
     async def on_abort(self, key: Key, reason: str) -> None:
         iteration = self._current

@@ -9,6 +9,8 @@ Everything received is checked against the local layout and for finite values be
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -17,6 +19,7 @@ from swarmnode.optim import StageOptimizer
 
 TensorMap = dict[str, Tensor]
 
+ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
 EMBEDDING_PREFIX = "embedding."
 HEAD_PREFIX = "head."
 
@@ -35,7 +38,7 @@ def optimizer_state(
     out: TensorMap = {}
     for name, param in module.named_parameters():
         state = optimizer.adam.state.get(param, {})
-        for field in ("exp_avg", "exp_avg_sq", "step"):
+        for field in ADAM_FIELDS:
             if field in state:
                 out[f"adam.{name}.{field}"] = state[field].detach().clone().float()
         out[f"outer.phi.{name}"] = phi[name].clone()
@@ -74,12 +77,17 @@ def check_layout(reference: TensorMap, received: TensorMap, what: str) -> None:
         extra = sorted(set(received) - set(reference))[:3]
         raise StateMismatch(f"{what}: names differ (missing {missing}, unexpected {extra})")
     for name, tensor in received.items():
-        if tensor.shape != reference[name].shape:
-            raise StateMismatch(
-                f"{what}: {name} has shape {tuple(tensor.shape)}, expected {tuple(reference[name].shape)}"
-            )
-        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
-            raise StateMismatch(f"{what}: {name} is not a finite floating-point tensor")
+        check_tensor(tuple(reference[name].shape), tensor, f"{what}: {name}")
+
+
+def check_tensor(shape: tuple[int, ...], tensor: Tensor, what: str, nonnegative: bool = False) -> None:
+    """Raise StateMismatch unless `tensor` has `shape` and finite floating-point values (>= 0 if asked)."""
+    if tuple(tensor.shape) != shape:
+        raise StateMismatch(f"{what} has shape {tuple(tensor.shape)}, expected {shape}")
+    if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+        raise StateMismatch(f"{what} is not a finite floating-point tensor")
+    if nonnegative and bool((tensor < 0).any()):
+        raise StateMismatch(f"{what} has negative values")
 
 
 def load_weights(module: nn.Module, received: TensorMap) -> None:
@@ -91,28 +99,60 @@ def load_weights(module: nn.Module, received: TensorMap) -> None:
             param.copy_(received[name].to(param.dtype))
 
 
-def load_optimizer(
-    module: nn.Module, optimizer: StageOptimizer, received: TensorMap
-) -> tuple[TensorMap, TensorMap | None]:
-    """Load Adam moments; return the NoLoCo (phi, delta) in `received` (phi defaults to the weights)."""
+@dataclass(frozen=True)
+class ReplicaState:
+    """A live replica's weights, Adam moments and NoLoCo state, checked against this node's stage."""
+
+    weights: TensorMap
+    moments: dict[str, tuple[Tensor, Tensor, Tensor]]  # parameter -> (step, exp_avg, exp_avg_sq)
+    phi: TensorMap
+    delta: TensorMap | None
+
+
+def check_replica_state(module: nn.Module, received: TensorMap) -> ReplicaState:
+    """Everything a donor sent, checked before any of it is loaded (a refused state leaves the node as it
+    was): the weights, each parameter's Adam moments (all three or none; `exp_avg_sq` >= 0, `step` a scalar
+    >= 0), and NoLoCo's phi and delta (phi defaults to the weights; delta for every parameter or none)."""
+    own = {name: param.detach() for name, param in module.named_parameters()}
+    weights = {name: t for name, t in received.items() if name in own}
+    check_layout(own, weights, "weights")
+    moments: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
     phi: TensorMap = {}
     delta: TensorMap = {}
-    for name, param in module.named_parameters():
-        moments = {f: received.get(f"adam.{name}.{f}") for f in ("exp_avg", "exp_avg_sq", "step")}
-        if all(m is not None for m in moments.values()):
-            for field in ("exp_avg", "exp_avg_sq"):
-                if moments[field].shape != param.shape or not bool(torch.isfinite(moments[field]).all()):
-                    raise StateMismatch(f"optimizer state of {name} does not fit")
-            optimizer.adam.state[param] = {
-                "step": moments["step"].reshape(()).float(),
-                "exp_avg": moments["exp_avg"].clone(),
-                "exp_avg_sq": moments["exp_avg_sq"].clone(),
-            }
+    for name, param in own.items():
+        shape = tuple(param.shape)
+        step, exp_avg, exp_avg_sq = (received.get(f"adam.{name}.{f}") for f in ADAM_FIELDS)
+        given = [t is not None for t in (step, exp_avg, exp_avg_sq)]
+        if any(given) and not all(given):
+            raise StateMismatch(f"optimizer state of {name} is incomplete")
+        if step is not None and exp_avg is not None and exp_avg_sq is not None:
+            if step.numel() != 1:
+                raise StateMismatch(f"adam step of {name} is not a scalar")
+            check_tensor((), step.reshape(()), f"adam step of {name}", nonnegative=True)
+            check_tensor(shape, exp_avg, f"exp_avg of {name}")
+            check_tensor(shape, exp_avg_sq, f"exp_avg_sq of {name}", nonnegative=True)
+            moments[name] = (step.reshape(()).float(), exp_avg.float(), exp_avg_sq.float())
         phi_t = received.get(f"outer.phi.{name}")
-        phi[name] = (
-            phi_t.clone() if phi_t is not None and phi_t.shape == param.shape else param.detach().clone()
-        )
+        if phi_t is not None:
+            check_tensor(shape, phi_t, f"outer phi of {name}")
+        phi[name] = (phi_t if phi_t is not None else param).clone()
         delta_t = received.get(f"outer.delta.{name}")
-        if delta_t is not None and delta_t.shape == param.shape:
+        if delta_t is not None:
+            check_tensor(shape, delta_t, f"outer delta of {name}")
             delta[name] = delta_t.clone()
-    return phi, (delta if len(delta) == len(phi) else None)
+    if delta and len(delta) != len(own):
+        raise StateMismatch(f"outer delta for {len(delta)} of {len(own)} parameters")
+    return ReplicaState(weights, moments, phi, delta or None)
+
+
+def load_replica_state(module: nn.Module, optimizer: StageOptimizer, checked: ReplicaState) -> None:
+    """Load a checked replica state's weights and Adam moments (NoLoCo's part is the caller's)."""
+    load_weights(module, checked.weights)
+    for name, param in module.named_parameters():
+        if name in checked.moments:
+            step, exp_avg, exp_avg_sq = checked.moments[name]
+            optimizer.adam.state[param] = {
+                "step": step.clone(),
+                "exp_avg": exp_avg.clone(),
+                "exp_avg_sq": exp_avg_sq.clone(),
+            }

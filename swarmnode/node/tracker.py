@@ -32,7 +32,9 @@ class _GroupState:
 
     @property
     def complete(self) -> bool:
-        return len(self.finished) >= max(self.expected, len(self.seen))
+        """Every microbatch that arrived has finished, and as many as planned have finished or been aborted
+        (aborts may name microbatches that never arrived: they count toward the plan, not for the held)."""
+        return self.seen <= self.finished and len(self.finished) >= self.expected
 
 
 @dataclass(frozen=True)
