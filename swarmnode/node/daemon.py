@@ -140,7 +140,7 @@ class Node:
         await recovery.recover(self)
         self.state = NodeState.ONLINE
         await self.publish()
-        await self._greet_data_nodes()
+        await self._greet_peers()
         if self.copy_parts:
             self.spawn(self.refresh_copies(), "copies")
         self._tasks += [
@@ -240,6 +240,8 @@ class Node:
     async def _on_abort(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         abort: Abort = self._decode(meta, Abort)
         key = (abort.origin, abort.iteration, abort.microbatch)
+        if not self.abort_allowed(peer, key):
+            raise Rejected(ErrorCode.STALE, f"{peer[-8:]} is not on the path of microbatch {key}")
         self.spawn(self.on_abort(key, abort.reason), "abort")
         return encode(Ack()), []
 
@@ -252,9 +254,12 @@ class Node:
         self.spawn(self.refresh_snapshot(), "hello-refresh")
         return encode(Ack()), []
 
-    async def _greet_data_nodes(self) -> None:
-        """Tell the data nodes this node serves now, so their next plan can use it at once."""
-        peers = [p for p in self.snapshot.online(0) if p != self.me]
+    async def _greet_peers(self) -> None:
+        """Tell the peers that route to this node that it serves now, so that they read the DHT at once: a
+        stage node greets the data nodes (their next plan can use it), a data node the stage nodes (they
+        take forwards only from data nodes they know)."""
+        stages = range(1, self.spec.stages + 1) if self.stage == 0 else (0,)
+        peers = [p for k in stages for p in self.snapshot.online(k) if p != self.me]
         await asyncio.gather(
             *(self.router.call(p, "hello", b"", [], timeout=1.0) for p in peers), return_exceptions=True
         )
@@ -354,6 +359,10 @@ class Node:
         raise NotImplementedError
 
     async def on_abort(self, key: Key, reason: str) -> None:
+        raise NotImplementedError
+
+    def abort_allowed(self, peer: str, key: Key) -> bool:
+        """Whether `peer` may abort microbatch `key` here (a peer off its path may not)."""
         raise NotImplementedError
 
     async def _on_route(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:

@@ -47,6 +47,7 @@ class _Microbatch:
     done: bool = False
     returned: bool = False  # its activations came back (a second copy, from a timed-out hop, is refused)
     routed_at: int = 0  # the hop of the latest re-route reported (`Route`); notices may arrive out of order
+    first_hops: set[str] = field(default_factory=set)  # every stage-1 peer it was sent to: one sends its grad
 
 
 @dataclass
@@ -234,7 +235,7 @@ class DataNode(Node):
             plan.visits,
             evaluate=iteration.evaluation,
         )
-        sent = await self.router.forward(first, hidden)
+        sent = await self.router.forward(first, hidden, mb.first_hops)
         if sent is None:
             await self._lose(iteration, mb, key, "first hop unreachable")
         elif not mb.done:
@@ -271,6 +272,10 @@ class DataNode(Node):
         iteration, mb = self._microbatch(message)
         if mb.returned:
             raise _stale(message)
+        if tuple(hidden.shape[:2]) != tuple(mb.targets.shape):
+            raise Rejected(
+                ErrorCode.MALFORMED, f"activations of shape {tuple(hidden.shape)} for {mb.targets.shape}"
+            )
         mb.returned = True
         mb.path = message.path
         self.spawn(self._head(iteration, mb, message, hidden), "head")
@@ -313,6 +318,8 @@ class DataNode(Node):
         message: Backward = self._decode(meta, Backward)
         grad = self._hop_tensor(peer, message, tensors)
         iteration, mb = self._microbatch(message)
+        if peer not in mb.first_hops:
+            raise Rejected(ErrorCode.MALFORMED, f"{peer[-8:]} was not sent microbatch {message.microbatch}")
         key = (self.me, iteration.number, mb.planned.microbatch)
         shape = self.worker.output_shape(key)
         if shape is None:  # dropped meanwhile (lost, or the iteration closed)
@@ -343,6 +350,11 @@ class DataNode(Node):
         if mb is not None and not mb.done:
             mb.loss = None
             await self._lose(iteration, mb, key, reason)
+
+    def abort_allowed(self, peer: str, key: Key) -> bool:
+        iteration = self._current
+        mb = iteration.microbatches.get(key[2]) if iteration is not None else None
+        return mb is None or peer in mb.path or peer in mb.first_hops
 
     async def maybe_step(self) -> None:
         """Data nodes step at the end of each iteration (see `train`)."""

@@ -90,10 +90,12 @@ class Router:
         if not isinstance(answer, Ack):
             raise Refused(f"unexpected {type(answer).__name__} reply")
 
-    async def forward(self, sent: Forward, hidden: Tensor) -> Forward | None:
+    async def forward(
+        self, sent: Forward, hidden: Tensor, attempted: set[str] | None = None
+    ) -> Forward | None:
         """Send `hidden` to the hop after `sent.hop`. Returns the message delivered, or None if it could not
-        be
-        (the caller aborts the microbatch)."""
+        be (the caller aborts the microbatch). Every peer tried is added to `attempted` before it is called:
+        only those may send this microbatch's gradient back."""
         path, stages, visits = list(sent.path), list(sent.stages), list(sent.visits or [0] * len(sent.path))
         nxt = sent.hop + 1
         tried: set[str] = set()
@@ -111,6 +113,8 @@ class Router:
                 sent.evaluate,
             )
             target = path[nxt]
+            if attempted is not None:
+                attempted.add(target)
             try:
                 await self.call(target, "forward", encode(message), [hidden], self.hop_timeout_s)
                 return message

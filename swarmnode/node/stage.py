@@ -7,11 +7,12 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from protocols.messages import Ack, Backward, ErrorCode, Forward, encode
+from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
 from swarmnode.dht import SwarmDHT
 from swarmnode.node import recovery
 from swarmnode.node.checks import Rejected
@@ -26,6 +27,19 @@ logger = logging.getLogger(__name__)
 REBALANCE_S = 5.0
 
 
+ORIGIN_REFRESH_S = 1.0  # at most one DHT read a second for forwards from a data node not in the view
+
+
+@dataclass
+class _Hops:
+    """The peers one held microbatch involves: its path up to this node, as received, and every peer this
+    node tried to send it on to. Only one of the latter may send its gradient back; aborts come from these
+    or from its data node."""
+
+    upstream: tuple[str, ...]
+    downstream: set[str] = field(default_factory=set)
+
+
 class StageNode(Node):
     """A node of transformer stage k >= 1: forward and backward passes for the microbatches routed here."""
 
@@ -36,6 +50,9 @@ class StageNode(Node):
         self.worker = StageWorker(self.piece, self.optimizer)
         self.tracker = StepTracker(spec.iteration_timeout_s)
         self.rebalance = rebalance
+        self._hops: dict[Key, _Hops] = {}
+        self._served: set[int] = set()  # stages this node has seen served (`--rebalance` moves only to those)
+        self._origins_read_at = -math.inf
 
     async def start(self) -> None:
         await super().start()
@@ -45,41 +62,69 @@ class StageNode(Node):
             )
 
     async def consider_moving(self) -> None:
-        """Move to a transformer stage with no live node if this stage keeps another live replica.
+        """Move to a transformer stage that lost all its nodes if this stage keeps another live replica.
 
-        A random delay, then a second look, keeps two spare nodes from both moving at once most of the time
-        (if they do, the rebuilt stage simply has two replicas)."""
+        Of the replicas of this stage, only the one with the lowest peer id moves, so two replicas never both
+        leave (which would empty this stage). A random delay, then a second look, keeps spares of different
+        stages from both moving at once most of the time (if they do, the rebuilt stage has two replicas)."""
         if not await self._lost_stages():
             return
         await asyncio.sleep(self.rng.uniform(0.0, REBALANCE_S / 2))
         lost = await self._lost_stages()
-        if lost and await recovery.live_peers(self, self.stage):
+        others = await recovery.live_peers(self, self.stage)
+        if lost and others and self.me < min(others):
             self.move_to = lost[0]
             logger.warning("stage %d lost; moving there from over-replicated stage %d", lost[0], self.stage)
             self.stop()
 
     async def _lost_stages(self) -> list[int]:
+        """Transformer stages that had a node (seen by this one) and have no live node now; a stage never
+        served yet (a swarm still forming) is not lost."""
         stages = [k for k in range(1, self.spec.stages + 1) if k != self.stage]
-        return [k for k in stages if not await recovery.live_peers(self, k)]
+        self._served |= {k for k in stages if self.snapshot.online(k)}
+        return [k for k in stages if k in self._served and not await recovery.live_peers(self, k)]
 
     async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         message: Forward = self._decode(meta, Forward)
         hidden = self._hop_tensor(peer, message, tensors)
+        if message.hop == len(message.path) - 1:
+            raise Rejected(ErrorCode.WRONG_STAGE, "the last hop of a path is its data node, not a stage")
+        if self.state != NodeState.ONLINE:
+            raise Rejected(ErrorCode.BUSY, f"this node is {self.state}, not online")
         key = (message.path[0], message.iteration, message.microbatch)
         if message.evaluate:
             self.spawn(self._evaluate(message, hidden), "evaluate")
             return encode(Ack()), []
-        expected = message.visits[message.hop] if message.visits else 0
+        if not await self._is_data_node(key[0]):
+            raise Rejected(ErrorCode.STALE, f"{key[0][-8:]} is no online data node of this run")
+        # a node is visited at most once per microbatch: a larger count is forged, and would stall steps
+        expected = min(message.visits[message.hop], self.spec.microbatches) if message.visits else 0
         if not self.tracker.on_forward(key, expected, time.monotonic()):
             raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
+        self._hops[key] = _Hops(message.path[: message.hop])
         self.spawn(self._forward(message, key, hidden), "forward")
         return encode(Ack()), []
+
+    async def _is_data_node(self, peer: str) -> bool:
+        """Whether `peer` is an online data node, reading the DHT again (at most once a second) if the view
+        does not have it (a data node that just started)."""
+        if peer in self.snapshot.online(0):
+            return True
+        if time.monotonic() - self._origins_read_at >= ORIGIN_REFRESH_S:
+            self._origins_read_at = time.monotonic()
+            await self.refresh_snapshot()
+        return peer in self.snapshot.online(0)
+
+    def abort_allowed(self, peer: str, key: Key) -> bool:
+        hops = self._hops.get(key)
+        return hops is None or peer == key[0] or peer in hops.upstream or peer in hops.downstream
 
     async def _forward(self, message: Forward, key: Key, hidden: Tensor) -> None:
         now = time.monotonic()
         output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
         self.tokens_processed += hidden.shape[0] * hidden.shape[1]
-        delivered = await self.router.forward(message, output)
+        hops = self._hops.get(key)
+        delivered = await self.router.forward(message, output, hops.downstream if hops else None)
         if delivered is None:
             await self._abort_everywhere(message, key, "next hop unreachable")
         elif delivered.path != message.path:
@@ -99,8 +144,11 @@ class StageNode(Node):
         grad = self._hop_tensor(peer, message, tensors)
         key = (message.path[0], message.iteration, message.microbatch)
         shape = self.worker.output_shape(key)
-        if shape is None:
+        hops = self._hops.get(key)
+        if shape is None or hops is None:
             raise Rejected(ErrorCode.STALE, f"no activations held for microbatch {key}")
+        if peer not in hops.downstream:
+            raise Rejected(ErrorCode.MALFORMED, f"{peer[-8:]} was not sent microbatch {key}")
         if tuple(grad.shape) != shape:
             raise Rejected(
                 ErrorCode.MALFORMED, f"gradient of shape {tuple(grad.shape)} for outputs of {shape}"
@@ -113,6 +161,7 @@ class StageNode(Node):
             grad_in = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.backward(key, grad))
         except MissingActivations:
             return  # aborted meanwhile
+        self._hops.pop(key, None)
         self.tracker.on_finished(key, applied=True, now=time.monotonic())
         delivered = await self.router.backward(message, grad_in)
         if not delivered:
@@ -125,6 +174,7 @@ class StageNode(Node):
 
     async def on_abort(self, key: Key, reason: str) -> None:
         dropped = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
+        self._hops.pop(key, None)
         self.tracker.on_finished(key, applied=False, now=time.monotonic())
         if dropped:
             logger.info("dropped microbatch %s: %s", key, reason)
@@ -141,6 +191,8 @@ class StageNode(Node):
                 Priority.BACKWARD, lambda: self.worker.drop_groups_except(open_groups)
             )
             self.microbatches_lost += dropped
+        for key in [key for key in self._hops if key[:2] not in open_groups]:
+            del self._hops[key]
         decision = self.tracker.ready(self.worker.in_flight, now)
         if decision is None:
             return
