@@ -7,14 +7,20 @@ cases start a real p2pd, which exits on its own.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 from click.testing import CliRunner
 
+import swarmnode.status
 from swarmnode.cli import main
+from swarmnode.cli import swarm as swarm_cli
+from swarmnode.node import bootstrap as bootstrap_module
+from swarmnode.runspec import RunSpec
 
 PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJb3oK5ovA1gAHwG9cQ7yAqBwHgdBoRa8kBZ1iFZ3bVo2"  # nobody listens there
 
@@ -50,6 +56,112 @@ def usage_error(*args: str) -> str:
 )
 def test_bad_flags_are_usage_errors(args: list[str], message: str) -> None:
     assert message in usage_error(*args)
+
+
+def test_a_peers_file_that_cannot_be_written_is_a_usage_error_before_the_dht_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    async def never(*args: object) -> int:
+        pytest.fail("the bootstrap started")
+
+    monkeypatch.setattr(bootstrap_module, "run_bootstrap", never)
+    output = usage_error("bootstrap", "--peers-file", "/dev/null/x/peers.txt")
+    assert "Invalid value for --peers-file: cannot create /dev/null/x: Not a directory" in output
+    output = usage_error("bootstrap", "--peers-file", str(tmp_path))
+    assert f"Invalid value for --peers-file: {tmp_path} is a directory" in output
+
+
+class FakeDHT:
+    """Stands in for the bootstrap's SwarmDHT: a DHT that starts, publishes and records its shutdown."""
+
+    instances: ClassVar[list[FakeDHT]] = []
+    fail_publish = False
+
+    def __init__(self, *args: object) -> None:
+        self.shut_down = False
+        FakeDHT.instances.append(self)
+
+    async def publish_run(self, spec: RunSpec, ttl: float) -> bool:
+        if self.fail_publish:
+            raise TimeoutError
+        return True
+
+    def visible_maddrs(self) -> list[str]:
+        return [PEER]
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@pytest.fixture
+def fake_dht(monkeypatch: pytest.MonkeyPatch) -> list[FakeDHT]:
+    FakeDHT.instances = []
+    monkeypatch.setattr(bootstrap_module, "SwarmDHT", FakeDHT)
+    return FakeDHT.instances
+
+
+def test_the_bootstrap_shuts_its_dht_down_when_the_peers_file_cannot_be_written(
+    fake_dht: list[FakeDHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    peers = Path("/dev/null/x/peers.txt")  # its folder went away after the command line was checked
+    assert asyncio.run(bootstrap_module.run_bootstrap(RunSpec(), "127.0.0.1", 0, False, peers)) == 1
+    assert [dht.shut_down for dht in fake_dht] == [True]
+    assert "cannot write the peers file /dev/null/x/peers.txt: Not a directory" in caplog.text
+
+
+def test_the_bootstrap_shuts_its_dht_down_when_publishing_fails(
+    fake_dht: list[FakeDHT], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FakeDHT, "fail_publish", True)
+    with pytest.raises(TimeoutError):
+        asyncio.run(bootstrap_module.run_bootstrap(RunSpec(), "127.0.0.1", 0, False, None))
+    assert [dht.shut_down for dht in fake_dht] == [True]
+
+
+class SlowObserver:
+    """Stands in for the status command's SwarmObserver: its DHT reads time out as the script says."""
+
+    script: ClassVar[list[Any]] = []
+    closed = False
+
+    def __init__(self, initial_peers: list[str], run_id: str) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, Any]:
+        answer = SlowObserver.script.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def close(self) -> None:
+        SlowObserver.closed = True
+
+
+@pytest.fixture
+def slow_observer(monkeypatch: pytest.MonkeyPatch) -> type[SlowObserver]:
+    monkeypatch.setattr(swarmnode.status, "SwarmObserver", SlowObserver)
+    monkeypatch.setattr(swarm_cli.time, "sleep", lambda seconds: None)
+    SlowObserver.script, SlowObserver.closed = [], False
+    return SlowObserver
+
+
+def test_status_reports_a_dht_timeout_in_one_line(slow_observer: type[SlowObserver]) -> None:
+    slow_observer.script = [TimeoutError()]
+    result = CliRunner().invoke(main, ["status", "--initial-peers", PEER])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert result.output == "Error: a DHT call got no answer within 10 s\n"
+    assert slow_observer.closed
+
+
+def test_status_watch_goes_on_after_a_dht_timeout(slow_observer: type[SlowObserver]) -> None:
+    snapshot = {"run_id": "swarm", "complete": False, "loss": None, "stages": [], "run": None}
+    slow_observer.script = [TimeoutError(), snapshot, KeyboardInterrupt()]  # Ctrl-C ends --watch
+    result = CliRunner().invoke(main, ["status", "--initial-peers", PEER, "--watch", "--json"])
+    assert result.exit_code == 0, result.output
+    first, second = result.output.splitlines()
+    assert first.endswith(" a DHT call got no answer within 10 s; trying again")
+    assert second == '{"run_id": "swarm", "complete": false, "loss": null, "stages": [], "run": null}'
+    assert slow_observer.closed
 
 
 def test_a_peers_file_with_a_bad_line_is_named(tmp_path: Path) -> None:

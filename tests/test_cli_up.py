@@ -11,10 +11,26 @@ from click.testing import CliRunner
 from swarmnode.cli import up as up_module
 from swarmnode.launcher import Outcome, SwarmResult
 
+REPORT = {
+    "steps_completed": 30,
+    "initial_loss": 8.3,
+    "final_loss": 6.1,
+    "val_loss": None,
+    "tokens_per_second": 2722.4,
+    "failures": [{}],
+    "recoveries_by_method": {"checkfree": {"count": 1, "mean_seconds": 2.13}},
+    "microbatches_lost": 3,
+}
+SUMMARY = (
+    "30 steps: loss 8.300 -> 6.100, validation ?, 2722 tokens/s, 1 failures, "
+    "recoveries: checkfree x1 (2.1 s), 3 microbatches lost"
+)
+
 
 @pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+def started(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Any]:
     """Stands in for the launcher: records the configs it was given, and reports success."""
+    monkeypatch.chdir(tmp_path)  # the default --out, ./swarm-out, is created before the launcher starts
     configs: list[Any] = []
 
     class FakeSwarm:
@@ -22,17 +38,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
             configs.append(config)
 
         def run(self) -> SwarmResult:
-            report = {
-                "steps_completed": 30,
-                "initial_loss": 8.3,
-                "final_loss": 6.1,
-                "val_loss": None,
-                "tokens_per_second": 2722.4,
-                "failures": [{}],
-                "recoveries_by_method": {"checkfree": {"count": 1, "mean_seconds": 2.13}},
-                "microbatches_lost": 3,
-            }
-            return SwarmResult(Outcome.COMPLETED, "30 steps done", None, report)
+            return SwarmResult(Outcome.COMPLETED, "30 steps done", None, REPORT)
 
     monkeypatch.setattr(up_module, "LocalSwarm", FakeSwarm)
     return configs
@@ -45,9 +51,22 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         (["--kill", "2@0"], "Invalid value for '--kill': '2@0': the step must be at least 1"),
         (["--kill", "9@5"], "Invalid value for --kill: 9@5: stage 9 is beyond --stages 3 (stages 0..3)"),
         (["--stages", "2", "--kill", "3@5"], "stage 3 is beyond --stages 2"),
-        (["--steps", "100", "--kill", "1@500"], "step 500 is after the last step (--steps 100)"),
+        (["--steps", "100", "--kill", "1@500"], "step 500 is not before the last step (--steps 100)"),
+        (["--steps", "200", "--kill", "2@200"], "step 200 is not before the last step (--steps 200)"),
+        (["--steps", "1", "--kill", "2@1"], "step 1 is not before the last step (--steps 1)"),
         (["--fail-rate", "1.5"], "Invalid value for '--fail-rate'"),
         (["--fail-rate", "1"], "Invalid value for '--fail-rate'"),
+        (["--fail-rate", "nan"], "Invalid value for '--fail-rate': 'nan' is not a finite number"),
+        (["--respawn-delay", "nan"], "Invalid value for '--respawn-delay': 'nan' is not a finite number"),
+        (["--respawn-delay", "inf"], "Invalid value for '--respawn-delay': 'inf' is not a finite number"),
+        (["--timeout", "nan"], "Invalid value for '--timeout': 'nan' is not a finite number"),
+        (["--timeout", "inf"], "Invalid value for '--timeout': 'inf' is not a finite number"),
+        (["--stall-timeout", "nan"], "Invalid value for '--stall-timeout': 'nan' is not a finite number"),
+        (["--stall-timeout", "-1"], "Invalid value for '--stall-timeout'"),
+        (
+            ["--out", "/dev/null/x"],
+            "Invalid value for --out: cannot create /dev/null/x/logs: Not a directory",
+        ),
         (["--stages", "4"], "6 layers of preset 'tiny' do not divide into 4 stages"),
         (["--preset", "nope"], "Invalid value for --preset"),
         (["--replicas", "0"], "Invalid value for '--replicas'"),
@@ -69,18 +88,18 @@ def test_bad_input_is_a_usage_error(started: list[Any], args: list[str], message
 def test_good_input_configures_the_swarm(started: list[Any], tmp_path: Path) -> None:
     args = ["--stages", "2", "--replicas", "3", "--data-nodes", "1", "--steps", "50", "--fail-rate", "0.2"]
     args += ["--kill", "2@10", "--kill", "0@20", "--no-checkfree-plus", "--respawn-delay", "0.5"]
-    args += ["--out", str(tmp_path), "--seed", "7", "--run-id", "demo", "--timeout", "600"]
+    args += ["--out", str(tmp_path / "out"), "--seed", "7", "--run-id", "demo", "--timeout", "600"]
+    args += ["--stall-timeout", "90", "--kill", "1@49"]
     result = CliRunner().invoke(up_module.up, args)
     assert result.exit_code == 0, result.output
     [config] = started
     assert (config.stages, config.replicas, config.data_nodes, config.steps) == (2, 3, 1, 50)
-    assert config.fail_rate == 0.2 and [str(kill) for kill in config.kills] == ["2@10", "0@20"]
+    assert config.fail_rate == 0.2 and [str(kill) for kill in config.kills] == ["2@10", "0@20", "1@49"]
     assert not config.checkfree_plus and config.respawn_delay == 0.5
-    assert (config.out, config.seed, config.run_id, config.timeout) == (tmp_path, 7, "demo", 600.0)
-    assert result.output == (
-        "30 steps: loss 8.300 -> 6.100, validation ?, 2722 tokens/s, 1 failures, "
-        "recoveries: checkfree x1 (2.1 s), 3 microbatches lost\n"
-    )
+    assert (config.out, config.seed, config.run_id) == (tmp_path / "out", 7, "demo")
+    assert (config.timeout, config.stall_timeout) == (600.0, 90.0)
+    assert (tmp_path / "out" / "logs").is_dir()  # created before the launcher started
+    assert result.output == SUMMARY + "\n"
 
 
 def test_defaults_need_no_arguments(started: list[Any]) -> None:
@@ -88,8 +107,24 @@ def test_defaults_need_no_arguments(started: list[Any]) -> None:
     assert result.exit_code == 0, result.output
     [config] = started
     assert (config.preset, config.stages, config.replicas, config.data_nodes) == ("tiny", 3, 2, 2)
-    assert (config.fail_rate, config.out) == (0.0, Path("swarm-out"))
+    assert (config.fail_rate, config.out, config.stall_timeout) == (0.0, Path("swarm-out"), 300.0)
     assert [str(kill) for kill in config.kills] == ["2@100"]  # the demo shows a stage being rebuilt
+
+
+@pytest.mark.parametrize(("steps", "kills"), [("1", []), ("2", ["2@1"]), ("3", ["2@1"])])
+def test_the_default_kill_comes_before_the_last_step(
+    started: list[Any], steps: str, kills: list[str]
+) -> None:
+    result = CliRunner().invoke(up_module.up, ["--steps", steps])
+    assert result.exit_code == 0, result.output
+    [config] = started
+    assert [str(kill) for kill in config.kills] == kills  # one step only: nothing could fire, none planned
+
+
+def test_stall_timeout_0_disables_the_bound(started: list[Any]) -> None:
+    result = CliRunner().invoke(up_module.up, ["--stall-timeout", "0"])
+    assert result.exit_code == 0, result.output
+    assert started[0].stall_timeout is None
 
 
 def test_calm_means_no_failures(started: list[Any]) -> None:
@@ -104,17 +139,23 @@ def test_calm_means_no_failures(started: list[Any]) -> None:
     [
         (Outcome.INTERRUPTED, 2, 130),
         (Outcome.INTERRUPTED, 15, 143),
+        (Outcome.INTERRUPTED, 1, 129),
+        (Outcome.INTERRUPTED, 3, 131),
         (Outcome.FAILED, None, 1),
         (Outcome.TIMEOUT, None, 1),
     ],
 )
-def test_exit_codes(monkeypatch: pytest.MonkeyPatch, outcome: Outcome, signum: int | None, code: int) -> None:
+def test_exit_codes_and_the_summary_of_a_run_that_did_not_complete(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, outcome: Outcome, signum: int | None, code: int
+) -> None:
     class EndedSwarm:
         def __init__(self, config: Any) -> None:
             pass
 
         def run(self) -> SwarmResult:
-            return SwarmResult(outcome, "stopped", signum, {})
+            return SwarmResult(outcome, "stopped", signum, REPORT)
 
     monkeypatch.setattr(up_module, "LocalSwarm", EndedSwarm)
-    assert CliRunner().invoke(up_module.up, []).exit_code == code
+    result = CliRunner().invoke(up_module.up, ["--out", str(tmp_path)])
+    assert result.exit_code == code
+    assert result.output == f"{outcome.value}: {SUMMARY}\n"

@@ -11,10 +11,11 @@ from pathlib import Path
 import click
 
 from swarmnode.data import DataError, load_corpus
-from swarmnode.dht import DHTUnavailable, RunNotFound, read_initial_peers
+from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable, RunNotFound, read_initial_peers
 from swarmnode.runspec import RunSpec, RunSpecError
 
 PEERS_HELP = "Multiaddrs (comma separated) or a file with one per line; also $SWARMNODE_INITIAL_PEERS."
+DHT_TIMEOUT = f"a DHT call got no answer within {DHT_CALL_TIMEOUT_S:g} s"
 
 
 def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
@@ -33,6 +34,21 @@ def _logging(verbose: bool) -> None:
     )
     if not verbose:
         logging.getLogger("hivemind").setLevel(logging.ERROR)
+
+
+def _peers_file_or_fail(path: Path | None) -> None:
+    """Create the folder of `--peers-file` now, so that a path that cannot be written is a usage error before
+    the DHT starts (the file is written once it runs)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise click.BadParameter(f"{path} is a directory", param_hint="--peers-file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise click.BadParameter(
+            f"cannot create {path.parent}: {error.strerror}", param_hint="--peers-file"
+        ) from None
 
 
 def _peers_or_fail(value: str | None) -> list[str]:
@@ -92,6 +108,7 @@ def bootstrap(
     _logging(verbose)
     if preset is not None and run_file is not None:
         raise click.UsageError("give either --preset or --run, not both")
+    _peers_file_or_fail(peers_file)
     try:
         base = RunSpec.from_file(run_file) if run_file is not None else RunSpec.for_preset(preset or "tiny")
         spec = base.with_overrides(
@@ -114,6 +131,8 @@ def bootstrap(
         code = _run_async(run_bootstrap(spec, host, port, public, peers_file))
     except DHTUnavailable as error:
         raise click.ClickException(str(error)) from None
+    except TimeoutError:
+        raise click.ClickException(f"publishing the run: {DHT_TIMEOUT}") from None
     raise SystemExit(code)
 
 
@@ -230,8 +249,14 @@ def status(initial_peers: str | None, run_id: str, as_json: bool, watch: bool) -
         raise click.ClickException(str(error)) from None
     try:
         while True:
-            summary = observer.snapshot()
-            click.echo(json.dumps(summary) if as_json else format_table(summary))
+            try:
+                summary = observer.snapshot()
+            except TimeoutError:
+                if not watch:
+                    raise click.ClickException(DHT_TIMEOUT) from None
+                click.echo(f"{time.strftime('%H:%M:%S')} {DHT_TIMEOUT}; trying again", err=True)
+            else:
+                click.echo(json.dumps(summary) if as_json else format_table(summary))
             if not watch:
                 break
             time.sleep(2.0)

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
 from swarmnode.cli.options import preset_or_fail, stages_or_fail
-from swarmnode.launcher import FAIL_RATE_UNIT, LocalSwarm, Outcome, StageKill, SwarmConfig, parse_stage_kill
+from swarmnode.launcher import (
+    FAIL_RATE_UNIT,
+    STALL_TIMEOUT_S,
+    LocalSwarm,
+    Outcome,
+    StageKill,
+    SwarmConfig,
+    SwarmResult,
+    parse_stage_kill,
+)
 from swarmnode.runspec import RunSpec, RunSpecError
 
 
@@ -26,6 +35,16 @@ class StageKillParam(click.ParamType):
             return parse_stage_kill(str(value))
         except ValueError as error:
             self.fail(str(error), param, ctx)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A `click.FloatRange` that also refuses nan and the infinities (nan passes any bounds check)."""
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number: float = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 @click.command()
@@ -52,7 +71,7 @@ class StageKillParam(click.ParamType):
 )
 @click.option(
     "--fail-rate",
-    type=click.FloatRange(0.0, 1.0, max_open=True),
+    type=FiniteFloatRange(0.0, 1.0, max_open=True),
     default=0.0,
     show_default=True,
     help=f"Random failures: the {FAIL_RATE_UNIT}; each failure kills one random node of that stage.",
@@ -63,7 +82,8 @@ class StageKillParam(click.ParamType):
     type=StageKillParam(),
     multiple=True,
     help="Kill every node of STAGE when the data nodes reach STEP (repeatable; stage 0 = the data nodes). "
-    "Without --kill, --fail-rate or --calm: the middle transformer stage at half the steps.",
+    "STEP must come before the last step. Without --kill, --fail-rate or --calm (and with --steps 2 or "
+    "more): the middle transformer stage at half the steps.",
 )
 @click.option("--calm", is_flag=True, help="No failures at all (overrides the default kill).")
 @click.option(
@@ -74,7 +94,7 @@ class StageKillParam(click.ParamType):
 )
 @click.option(
     "--respawn-delay",
-    type=click.FloatRange(min=0.0),
+    type=FiniteFloatRange(min=0.0),
     default=2.0,
     show_default=True,
     help="Seconds before a killed or crashed node comes back as `join --stage auto`.",
@@ -93,9 +113,17 @@ class StageKillParam(click.ParamType):
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0.0, min_open=True),
+    type=FiniteFloatRange(min=0.0, min_open=True),
     default=None,
     help="Stop after this many seconds.",
+)
+@click.option(
+    "--stall-timeout",
+    type=FiniteFloatRange(min=0.0),
+    default=STALL_TIMEOUT_S,
+    show_default=True,
+    help="End the run as failed when no data node reports a new step for this many seconds, counted from "
+    "the nodes' start (0: never).",
 )
 def up(
     preset: str,
@@ -112,24 +140,18 @@ def up(
     seed: int,
     run_id: str,
     timeout: float | None,
+    stall_timeout: float,
 ) -> None:
     """Start a whole swarm on this machine (a bootstrap peer, data nodes, stage nodes with replicas, each its
-    own process on loopback), train, inject failures, and write DIR/report.json and DIR/loss.png."""
+    own process on loopback), train, inject failures, and write DIR/report.json and DIR/loss.png; print a
+    one-line summary of the run, whatever its outcome."""
     n_stages = stages_or_fail(preset_or_fail(preset), stages)
     if calm:
         kills, fail_rate = (), 0.0
-    elif not kills and fail_rate == 0.0:
-        kills = (StageKill(stage=(n_stages + 1) // 2, step=max(1, steps // 2)),)  # show a stage being rebuilt
+    elif not kills and fail_rate == 0.0 and steps >= 2:
+        kills = (StageKill(stage=(n_stages + 1) // 2, step=steps // 2),)  # show a stage being rebuilt
     for kill in kills:
-        if kill.stage > n_stages:
-            raise click.BadParameter(
-                f"{kill}: stage {kill.stage} is beyond --stages {n_stages} (stages 0..{n_stages})",
-                param_hint="--kill",
-            )
-        if kill.step > steps:
-            raise click.BadParameter(
-                f"{kill}: step {kill.step} is after the last step (--steps {steps})", param_hint="--kill"
-            )
+        _check_kill(kill, n_stages, steps)
     try:  # the run the bootstrap will publish: fail here, before any process starts
         RunSpec.for_preset(preset, run_id=run_id, stages=n_stages, total_steps=steps, seed=seed)
     except RunSpecError as error:
@@ -148,17 +170,43 @@ def up(
         run_id=run_id,
         out=out,
         timeout=timeout,
+        stall_timeout=stall_timeout or None,
     )
+    _out_or_fail(out)
     result = LocalSwarm(config).run()  # prints progress and its outcome to stderr
+    click.echo(summary(result))
     if result.outcome is Outcome.INTERRUPTED:
         sys.exit(128 + (result.signum or signal.SIGINT))
     if result.outcome is not Outcome.COMPLETED:
         sys.exit(1)
-    click.echo(summary(result.report))
 
 
-def summary(report: dict[str, Any]) -> str:
-    """One line of the report's headline figures."""
+def _check_kill(kill: StageKill, n_stages: int, steps: int) -> None:
+    """A `--kill` must name a stage of the run and a step before the last (which ends the run at once)."""
+    if kill.stage > n_stages:
+        raise click.BadParameter(
+            f"{kill}: stage {kill.stage} is beyond --stages {n_stages} (stages 0..{n_stages})",
+            param_hint="--kill",
+        )
+    if kill.step >= steps:
+        raise click.BadParameter(
+            f"{kill}: step {kill.step} is not before the last step (--steps {steps}), so it would never fire",
+            param_hint="--kill",
+        )
+
+
+def _out_or_fail(out: Path) -> None:
+    """Create DIR and DIR/logs now, so that an unusable `--out` is a usage error before any process starts."""
+    logs = out / "logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise click.BadParameter(f"cannot create {logs}: {error.strerror}", param_hint="--out") from None
+
+
+def summary(result: SwarmResult) -> str:
+    """One line of the report's headline figures, led by the outcome unless the run completed."""
+    report = result.report
 
     def loss(key: str) -> str:
         return "?" if report[key] is None else f"{report[key]:.3f}"
@@ -168,8 +216,9 @@ def summary(report: dict[str, Any]) -> str:
         for method, entry in report["recoveries_by_method"].items()
     )
     speed = report["tokens_per_second"]
+    outcome = "" if result.outcome is Outcome.COMPLETED else f"{result.outcome.value}: "
     return (
-        f"{report['steps_completed']} steps: loss {loss('initial_loss')} -> {loss('final_loss')}, "
+        f"{outcome}{report['steps_completed']} steps: loss {loss('initial_loss')} -> {loss('final_loss')}, "
         f"validation {loss('val_loss')}, {'?' if speed is None else f'{speed:.0f}'} tokens/s, "
         f"{len(report['failures'])} failures, recoveries: {methods or 'none'}, "
         f"{report['microbatches_lost']} microbatches lost"

@@ -6,12 +6,13 @@ Modules by purpose: `procs` (children in their own process groups), `plan` (kill
 lines) and `swarm` (the supervisor).
 """
 
-from swarmnode.launcher.config import FAIL_RATE_UNIT, SwarmConfig
+from swarmnode.launcher.config import FAIL_RATE_UNIT, STALL_TIMEOUT_S, SwarmConfig
 from swarmnode.launcher.plan import KillPlan, RandomKills, StageKill, parse_stage_kill
 from swarmnode.launcher.swarm import LocalSwarm, Outcome, SwarmResult
 
 __all__ = [
     "FAIL_RATE_UNIT",
+    "STALL_TIMEOUT_S",
     "KillPlan",
     "LocalSwarm",
     "Outcome",

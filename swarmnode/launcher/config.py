@@ -11,13 +11,15 @@ from typing import Any
 from swarmnode.launcher.plan import StageKill
 
 FAIL_RATE_UNIT = "probability that a given transformer stage fails within one minute"
+STALL_TIMEOUT_S = 300.0  # a run whose data nodes report no new step for this long has failed
 
 
 @dataclass(frozen=True)
 class SwarmConfig:
     """What `swarmnode up` runs. `kills` fire at data-node steps; `fail_rate` is `FAIL_RATE_UNIT`.
 
-    `command` starts the swarmnode CLI in a child; `observe` starts the DHT observer for node states.
+    `stall_timeout` (None: no bound) ends the run as failed when no data node reports a new step for that many
+    seconds. `command` starts the swarmnode CLI in a child; `observe` starts the DHT observer for node states.
     """
 
     preset: str = "tiny"
@@ -33,6 +35,7 @@ class SwarmConfig:
     run_id: str = "swarm"
     out: Path = Path("swarm-out")
     timeout: float | None = None
+    stall_timeout: float | None = STALL_TIMEOUT_S
     command: tuple[str, ...] = (sys.executable, "-m", "swarmnode")
     observe: bool = True
 
@@ -58,7 +61,7 @@ class SwarmConfig:
 
         Torch threads are split evenly between the nodes, so a small machine is not oversubscribed.
         """
-        threads = max(1, (os.cpu_count() or 1) // self.initial_nodes)
+        threads = max(1, usable_cpus() // self.initial_nodes)
         return [
             *self.command, "join", "--stage", "auto" if stage is None else str(stage),
             "--initial-peers", str(self.peers_file), "--run-id", self.run_id, "--threads", str(threads),
@@ -91,7 +94,16 @@ class SwarmConfig:
             "seed": self.seed,
             "run_id": self.run_id,
             "timeout": self.timeout,
+            "stall_timeout": self.stall_timeout,
         }
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (`taskset`, a cpuset), else
+    every CPU of the machine."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def read_peers(path: Path) -> list[str] | None:

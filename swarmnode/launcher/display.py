@@ -1,7 +1,8 @@
 """Live progress on stderr, as plain lines that read well in a terminal and in a log file.
 
 Events (kills, lost stages, recoveries, joins) print at once. A status line prints every `interval` seconds
-while something changes, and at least every `heartbeat` seconds otherwise:
+while something changes, and at least every `heartbeat` seconds otherwise. A stream that can no longer be
+written (a closed pipe: `swarmnode up 2>&1 | head`) is given up on, never an error of the run:
 
     [  42.0s] step 37/200 | loss 5.312 | val 5.420 | 1830 tok/s | nodes 0:2 1:2 2:1+1r 3:2 | lost mb 3
 """
@@ -66,6 +67,7 @@ class Display:
         self._heartbeat = heartbeat
         self._last_text = ""
         self._last_at = float("-inf")
+        self._broken = False
 
     def event(self, text: str) -> None:
         self._write(time.monotonic(), text)
@@ -82,5 +84,11 @@ class Display:
             self._write(now, line)
 
     def _write(self, now: float, text: str) -> None:
-        self._stream.write(f"[{now - self._started:7.1f}s] {text}\n")
-        self._stream.flush()
+        """Write one line; after a failed write (OSError: a closed pipe, a full disk) write nothing more."""
+        if self._broken:
+            return
+        try:
+            self._stream.write(f"[{now - self._started:7.1f}s] {text}\n")
+            self._stream.flush()
+        except OSError:
+            self._broken = True

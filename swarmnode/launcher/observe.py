@@ -1,10 +1,10 @@
 """The launcher's view of the DHT: a child process that prints swarm snapshots as JSON lines.
 
 `python -m swarmnode.launcher.observe PEERS_FILE RUN_ID [INTERVAL]` prints a `SwarmObserver` snapshot (the
-`swarmnode status --json` object) every INTERVAL seconds. It runs as a supervised child like the daemons,
-so its DHT process and p2pd live in a process group the launcher ends, and the terminal's Ctrl-C never
-reaches them mid-call. The launcher reads its lines with `parse_snapshot`; of a snapshot it uses only
-`stages[].stage` and `stages[].peers[].state`.
+`swarmnode status --json` object) every INTERVAL seconds (none where a DHT read timed out). It runs as a
+supervised child like the daemons, so its DHT process and p2pd live in a process group the launcher ends, and
+the terminal's Ctrl-C never reaches them mid-call. The launcher reads its lines with `parse_snapshot`; of a
+snapshot it uses only `stages[].stage` and `stages[].peers[].state`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     observer = SwarmObserver(initial_peers, run_id)
     try:
         while True:
-            print(json.dumps(observer.snapshot()), flush=True)
+            try:
+                print(json.dumps(observer.snapshot()), flush=True)
+            except TimeoutError:  # a DHT call got no answer in time: no snapshot this once
+                print("a DHT read timed out", file=sys.stderr, flush=True)
             time.sleep(interval)
     finally:
         observer.close()

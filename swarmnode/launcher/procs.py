@@ -4,6 +4,10 @@ A daemon forks a DHT process and starts a libp2p daemon (p2pd); killing only the
 running. Every child therefore starts a new session (`start_new_session=True`, so its pid is its process
 group id and the terminal's Ctrl-C does not reach it) and is ended with `os.killpg`, which reaches whatever it
 started. Orphans that died but were not reaped by init (zombies) count as gone.
+
+A group id is safe to signal while the group has a member or its leader is not reaped yet. Once the leader is
+reaped and the group has no live member, the id is free for the system to reuse: the group is then marked
+gone, as soon as `poll()` sees it, and never signalled again.
 """
 
 from __future__ import annotations
@@ -48,11 +52,16 @@ class ChildProcess:
         return self._popen.returncode
 
     def poll(self) -> int | None:
-        """The exit code if the child (the group leader) has exited, else None."""
-        return self._popen.poll()
+        """The exit code if the child (the group leader) has exited, else None; once it has, marks the group
+        gone when no member runs any more (the supervisor polls often, so this happens before any reuse)."""
+        code = self._popen.poll()
+        if code is not None:
+            self.group_running()
+        return code
 
     def signal_group(self, signum: int) -> None:
         """Send `signum` to the child's whole process group, if anything in it still runs."""
+        self.poll()
         if self._group_gone:
             return
         try:
@@ -161,8 +170,13 @@ class LineTail:
 
 
 class StopSignals:
-    """While active (in the main thread), SIGINT and SIGTERM are recorded in `received` instead of ending the
-    process, so the supervisor can end its children first; a second signal means: stop without grace."""
+    """While active (in the main thread), the `SIGNALS` are recorded in `received` instead of ending the
+    process, so the supervisor can end its children first; a second signal means: stop without grace.
+
+    The children run in sessions of their own, so a hangup or a quit from the terminal reaches only the
+    launcher: it must end them itself."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -170,7 +184,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 

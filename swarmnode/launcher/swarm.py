@@ -4,8 +4,9 @@ The launcher starts the bootstrap peer, waits for its peers file, then starts th
 nodes (and an observer of the DHT). It reads the daemons' JSON event lines from their stdout files, kills
 nodes as the kill plan says, brings each killed or crashed node back after `respawn_delay` seconds as
 `join --stage auto` (a spot market in miniature), and stops when the data nodes have finished the run, on
-SIGINT/SIGTERM or at the timeout. Every child is then ended by process group, and `report.json` and
-`loss.png` are written to the output folder.
+SIGINT, SIGTERM, SIGHUP or SIGQUIT, when no data node reports a new step for `stall_timeout` seconds, or at
+the timeout. Every child is then ended by process group, and `report.json` and `loss.png` are written to the
+output folder.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ class LocalSwarm:
         self._crashes = 0
         self._finishing_since: float | None = None
         self._all_joined = False
+        self._last_step = 0  # the furthest step seen, and since when (a monotonic time): the stall bound
+        self._last_step_at = self._started
 
     def run(self) -> SwarmResult:
         """Run the swarm, end every child, write the report; never leaves a child process behind."""
@@ -101,8 +104,10 @@ class LocalSwarm:
             try:
                 outcome, message = self._supervise(stop)
             finally:
-                self._shutdown(stop)
-                report = self._write_report(outcome, message)
+                try:
+                    self._shutdown(stop)
+                finally:
+                    report = self._write_report(outcome, message)
         self._display.event(f"{outcome.value}: {message}; report in {self.out / 'report.json'}")
         return SwarmResult(outcome, message, stop.received[0] if stop.received else None, report)
 
@@ -124,9 +129,12 @@ class LocalSwarm:
             f"started {config.data_nodes} data node(s) and {config.stages} stage(s) x {config.replicas} "
             f"replica(s); logs in {self.logs}"
         )
+        self._last_step_at = time.monotonic()
         while True:
             now = time.monotonic()
             self._read_events()
+            if self._record.step > self._last_step:
+                self._last_step, self._last_step_at = self._record.step, now
             verdict = self._check_exits(now)
             if verdict is not None:
                 return verdict
@@ -140,6 +148,12 @@ class LocalSwarm:
                 self._respawn_due(now)
                 for kill in self._plan.due(now, self._record.step):
                     self._inject(kill)
+                if self._stalled(now):
+                    return (
+                        Outcome.FAILED,
+                        f"stalled: no data node reported a new step for {config.stall_timeout:g} s "
+                        f"(at step {self._record.step}; see the logs in {self.logs})",
+                    )
             if self._timed_out(now):
                 return (
                     Outcome.TIMEOUT,
@@ -171,6 +185,11 @@ class LocalSwarm:
 
     def _timed_out(self, now: float) -> bool:
         return self.config.timeout is not None and now - self._started >= self.config.timeout
+
+    def _stalled(self, now: float) -> bool:
+        """Whether `stall_timeout` seconds passed without a new step (counted from the nodes' start)."""
+        stall = self.config.stall_timeout
+        return stall is not None and now - self._last_step_at >= stall
 
     def _spawn(self, name: str, stage: int | None, shard: str | None) -> None:
         process = ChildProcess(name, self.config.join_argv(stage, shard), self.logs, self._env)
@@ -225,8 +244,8 @@ class LocalSwarm:
             and self._finishing_since is None
         ):
             return Outcome.FAILED, _exit_message("the bootstrap peer", self._bootstrap)
-        observer = self._observer
-        if observer is not None and self._observer_tail is not None and observer.poll() is not None:
+        observer = self._observer  # polled even once it stopped: poll() notes when its group is gone
+        if observer is not None and observer.poll() is not None and self._observer_tail is not None:
             observer.kill()
             self._display.event(
                 f"{_exit_message('the swarm observer', observer)}; recovering states not shown"
@@ -331,14 +350,16 @@ class LocalSwarm:
         )
 
     def _shutdown(self, stop: StopSignals) -> None:
-        """End every child; a second SIGINT/SIGTERM cuts the grace period short."""
+        """End every child, whatever the display does; a second stop signal cuts the grace period short."""
         children = [node.process for node in self._nodes] + self._helpers
         running = sum(child.poll() is None for child in children)
-        if running:
-            self._display.event(
-                f"ending {running} process(es): SIGTERM, then SIGKILL after {STOP_GRACE_S:g} s"
-            )
-        left = stop_all(children, STOP_GRACE_S, hurry=lambda: len(stop.received) > 1)
+        try:
+            if running:
+                self._display.event(
+                    f"ending {running} process(es): SIGTERM, then SIGKILL after {STOP_GRACE_S:g} s"
+                )
+        finally:
+            left = stop_all(children, STOP_GRACE_S, hurry=lambda: len(stop.received) > 1)
         for child in left:
             self._display.event(
                 f"warning: process group {child.pid} ({child.name}) still has running members"

@@ -31,18 +31,24 @@ def write_peers_file(path: Path, maddrs: list[str]) -> None:
 
 
 async def run_bootstrap(spec: RunSpec, host: str, port: int, public: bool, peers_file: Path | None) -> int:
-    dht = SwarmDHT(spec.run_id, (), host, port, public)
+    """Publish the run until SIGINT/SIGTERM (exit code 0), or until the DHT fails (1); the DHT is shut down
+    on every way out, errors included."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    dht = SwarmDHT(spec.run_id, (), host, port, public)
     try:
         await dht.publish_run(spec, RUN_TTL_S)
         maddrs = dht.visible_maddrs()
         for addr in maddrs:
             print(addr, flush=True)
         if peers_file is not None:
-            write_peers_file(peers_file, maddrs)
+            try:
+                write_peers_file(peers_file, maddrs)
+            except OSError as error:
+                logger.error("cannot write the peers file %s: %s", peers_file, error.strerror or error)
+                return 1
         emit("bootstrap", run_id=spec.run_id, maddrs=maddrs, run=spec.to_dict())
         while not stop.is_set():
             try:

@@ -28,6 +28,7 @@ REBALANCE_S = 5.0
 
 
 ORIGIN_REFRESH_S = 1.0  # at most one DHT read a second for forwards from a data node not in the view
+BACKLOG_ITERATIONS = 4  # microbatches held or queued beyond this many iterations' worth are refused (BUSY)
 
 
 @dataclass
@@ -97,6 +98,8 @@ class StageNode(Node):
             return encode(Ack()), []
         if not await self._is_data_node(key[0]):
             raise Rejected(ErrorCode.STALE, f"{key[0][-8:]} is no online data node of this run")
+        if len(self._hops) >= self._backlog_limit():  # accepted and not finished: queued or held
+            raise Rejected(ErrorCode.BUSY, f"{len(self._hops)} microbatches held or queued here")
         # a node is visited at most once per microbatch: a larger count is forged, and would stall steps
         expected = min(message.visits[message.hop], self.spec.microbatches) if message.visits else 0
         if not self.tracker.on_forward(key, expected, time.monotonic()):
@@ -114,6 +117,12 @@ class StageNode(Node):
             self._origins_read_at = time.monotonic()
             await self.refresh_snapshot()
         return peer in self.snapshot.online(0)
+
+    def _backlog_limit(self) -> int:
+        """How many microbatches this node takes at once: a few iterations of every data node's plan, so the
+        activations a flood of forwards could pin in memory stay bounded (the router sends a refused
+        forward to another replica, or skips the stage)."""
+        return BACKLOG_ITERATIONS * self.spec.microbatches * max(1, len(self.snapshot.online(0)))
 
     def abort_allowed(self, peer: str, key: Key) -> bool:
         hops = self._hops.get(key)

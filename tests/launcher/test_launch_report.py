@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import swarmnode.status
+from swarmnode.launcher import observe
 from swarmnode.launcher.display import Display, StageCount, status_line
 from swarmnode.launcher.events import (
     Joining,
@@ -196,9 +200,60 @@ def test_display_throttles_status_lines() -> None:
     assert all(text.startswith("[") and "s] " in text for text in lines)
 
 
+class BrokenPipe(io.StringIO):
+    """A stream whose reader went away (`swarmnode up 2>&1 | head`): every write fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_display_gives_up_on_a_broken_stream() -> None:
+    stream = BrokenPipe()
+    display = Display(stream, started=0.0, interval=0.0)
+    display.event("bootstrap ready")
+    display.status(lambda: "step 1/10")
+    display.event("killed s2r1")
+    assert stream.writes == 1  # no error, and no further try after the first failed write
+
+
 def test_parse_snapshot_counts_states() -> None:
     peers = [{"peer_id": "a", "state": "online"}, {"peer_id": "b", "state": "recovering"}]
     snapshot = {"run_id": "swarm", "complete": False, "loss": 5.0, "stages": [{"stage": 2, "peers": peers}]}
     assert parse_snapshot(json.dumps(snapshot)) == {2: StageCount(online=1, recovering=1)}
     assert parse_snapshot("INFO: not json") is None
     assert parse_snapshot('{"stages": [{"peers": []}]}') is None
+
+
+def test_the_observer_skips_a_snapshot_whose_dht_read_timed_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    snapshot = {"stages": [{"stage": 0, "peers": [{"peer_id": "a", "state": "online"}]}]}
+    answers: list[Any] = [TimeoutError(), snapshot, SystemExit(0)]  # the SystemExit stands in for SIGTERM
+
+    class Observer:
+        def __init__(self, initial_peers: list[str], run_id: str) -> None:
+            assert (initial_peers, run_id) == (["/ip4/127.0.0.1/tcp/1/p2p/x"], "swarm")
+
+        def snapshot(self) -> dict[str, Any]:
+            answer = answers.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(swarmnode.status, "SwarmObserver", Observer)
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # keep pytest's SIGTERM handling
+    peers = tmp_path / "peers.txt"
+    peers.write_text("/ip4/127.0.0.1/tcp/1/p2p/x\n")
+    with pytest.raises(SystemExit):
+        observe.main([str(peers), "swarm", "0"])
+    out, err = capsys.readouterr()
+    assert [parse_snapshot(line) for line in out.splitlines()] == [{0: StageCount(online=1)}]
+    assert err == "a DHT read timed out\n" and answers == []

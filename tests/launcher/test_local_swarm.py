@@ -68,7 +68,9 @@ def test_a_run_with_a_planned_kill(tmp_path: Path, pids_dir: Path, monkeypatch: 
     monkeypatch.setenv("FAKE_AUTO_STAGE", "2")
     monkeypatch.setenv("FAKE_STEP_S", "0.25")  # 5 s of training: at least one status line after the start
     stream = io.StringIO()
-    result = LocalSwarm(config(tmp_path, steps=20, kills=(StageKill(2, 4),)), stream).run()
+    # 5 s of steps, 0.25 s apart: longer than the stall bound, which each new step starts again
+    settings = config(tmp_path, steps=20, kills=(StageKill(2, 4),), stall_timeout=3.0)
+    result = LocalSwarm(settings, stream).run()
     progress = stream.getvalue()
     assert result.outcome is Outcome.COMPLETED, progress
 
@@ -141,6 +143,44 @@ def test_timeout(tmp_path: Path, pids_dir: Path, monkeypatch: pytest.MonkeyPatch
     assert_all_gone(fake_pids(pids_dir))
 
 
+def test_a_stalled_run_fails(tmp_path: Path, pids_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_STEP_S", "60")  # the data nodes start, and never report a step
+    result = LocalSwarm(config(tmp_path, stall_timeout=1.0), io.StringIO()).run()
+    assert result.outcome is Outcome.FAILED
+    assert result.message.startswith("stalled: no data node reported a new step for 1 s (at step 0; see ")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["outcome"] == "failed" and report["settings"]["stall_timeout"] == 1.0
+    assert_all_gone(fake_pids(pids_dir))
+
+
+class BrokenPipe(io.StringIO):
+    """stderr of `swarmnode up 2>&1 | head` once `head` has exited: every write fails."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_broken_progress_stream_changes_nothing(tmp_path: Path, pids_dir: Path) -> None:
+    result = LocalSwarm(config(tmp_path), BrokenPipe()).run()
+    assert result.outcome is Outcome.COMPLETED, result.message
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["outcome"] == "completed"
+    assert_all_gone(fake_pids(pids_dir))
+
+
+def test_children_are_ended_and_the_report_written_even_if_the_display_fails(
+    tmp_path: Path, pids_dir: Path
+) -> None:
+    stream = io.StringIO()
+    stream.close()  # every write raises ValueError, which the display does not swallow
+    with pytest.raises(ValueError, match="closed file"):
+        LocalSwarm(config(tmp_path), stream).run()
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert (report["outcome"], report["message"]) == ("failed", "the launcher stopped on an unexpected error")
+    pids = fake_pids(pids_dir)
+    assert len(pids) == 2  # the bootstrap and its grandchild, started before the first line was written
+    assert_all_gone(pids)
+
+
 RUNNER = """
 import sys
 from pathlib import Path
@@ -152,7 +192,7 @@ sys.exit(128 + result.signum if result.signum else 1)
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
 def test_a_signal_ends_every_child_and_writes_the_report(tmp_path: Path, pids_dir: Path, signum: int) -> None:
     out = tmp_path / "out"
     launcher = subprocess.Popen(

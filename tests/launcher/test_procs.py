@@ -93,6 +93,30 @@ def test_stop_all_cleans_the_group_of_a_child_that_already_exited(tmp_path: Path
     assert not running(grandchild)
 
 
+def test_a_group_that_emptied_after_its_leader_was_reaped_is_never_signalled_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    child, _ = start_parent(tmp_path, "victim")
+    assert child.kill() == -9  # a node killed mid-run
+    deadline = time.monotonic() + 5
+    while group_running(child.pid):
+        assert time.monotonic() < deadline, "the group did not empty"
+        time.sleep(0.02)
+    assert child.poll() == -9  # the supervisor's next poll: from now on the group id may be reused
+    real_killpg = os.killpg
+    signalled: list[tuple[int, int]] = []
+
+    def killpg(pgid: int, signum: int) -> None:
+        if signum:
+            signalled.append((pgid, signum))
+        real_killpg(pgid, signum)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    assert stop_all([child], grace=1.0) == []  # the shutdown, maybe much later
+    child.signal_group(signal.SIGTERM)
+    assert signalled == []
+
+
 def test_stderr_tail(tmp_path: Path) -> None:
     script = "import sys; sys.stderr.write('Traceback\\n  ...\\nError: ' + 'x' * 500 + '\\n\\n'); sys.exit(3)"
     child = ChildProcess("crasher", [sys.executable, "-c", script], tmp_path)
@@ -117,16 +141,34 @@ def test_line_tail_returns_complete_lines_only(tmp_path: Path) -> None:
         assert tail.read_lines() == []
 
 
-def test_stop_signals_record_instead_of_ending() -> None:
-    before = signal.getsignal(signal.SIGTERM)
+STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+
+
+@pytest.fixture
+def outside() -> Iterator[list[int]]:
+    """Records the stop signals that reach the test process outside StopSignals (so that one it misses fails
+    the test instead of ending the test run), then restores their handlers."""
+    received: list[int] = []
+
+    def record(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    previous = {signum: signal.signal(signum, record) for signum in STOP_SIGNALS}
+    yield received
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def test_stop_signals_record_instead_of_ending(outside: list[int]) -> None:
+    before = [signal.getsignal(signum) for signum in STOP_SIGNALS]
     with StopSignals() as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGINT)
+        for signum in STOP_SIGNALS:
+            os.kill(os.getpid(), signum)
         deadline = time.monotonic() + 5
-        while len(stop.received) < 2 and time.monotonic() < deadline:
+        while len(stop.received) + len(outside) < len(STOP_SIGNALS) and time.monotonic() < deadline:
             time.sleep(0.01)
-    assert stop.received == [signal.SIGTERM, signal.SIGINT]
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert (stop.received, outside) == (STOP_SIGNALS, [])
+    assert [signal.getsignal(signum) for signum in STOP_SIGNALS] == before
 
 
 def test_stop_all_cuts_the_grace_short_when_hurried(tmp_path: Path, cleanup: list[ChildProcess]) -> None:
