@@ -143,7 +143,7 @@ async def run_join(options: JoinOptions) -> int:
             raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
         next_stage: int | None = stage
         while next_stage is not None:
-            node = _build_node(options, spec, dht, next_stage)
+            node = await _build_announced(options, spec, dht, next_stage)
             try:
                 await _serve(node)
             finally:
@@ -154,6 +154,21 @@ async def run_join(options: JoinOptions) -> int:
         return 0
     finally:
         await dht.close()
+
+
+async def _build_announced(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) -> Node:
+    """Build the node (in a thread) while a `joining` record for its stage stays on the DHT, republished
+    every record period: building a large preset's stage, or a data node's corpus, takes longer than one
+    record lives, and a `--stage auto` claim that lapsed would send the next joiner to the same stage."""
+    building = asyncio.ensure_future(asyncio.to_thread(_build_node, options, spec, dht, stage))
+    while True:
+        try:
+            await dht.publish(NodeRecord(NodeState.JOINING, stage, 0, 0), spec.record_ttl_s)
+        except TimeoutError:
+            logger.warning("the DHT did not store this node's joining record in time")
+        done, _ = await asyncio.wait({building}, timeout=spec.record_period_s)
+        if done:
+            return building.result()
 
 
 def _build_node(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) -> Node:
