@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
-from transport_harness import LIBP2P, LIMITS, SERVER_CONFIG, Swarm, running_swarm
+from transport_harness import LIBP2P, LIMITS, SERVER_CONFIG, SMALL_BODY_BYTES, Swarm, running_swarm
 
 from swarmnode.transport import ProtocolError, RemoteError, Transport
 from swarmnode.transport._framing import MAGIC, PREFIX, VERSION, Kind, encode_request, read_frame
@@ -90,6 +90,27 @@ def test_garbage_is_rejected_and_the_server_keeps_serving(swarm: Swarm) -> None:
 
     swarm.run(scenario())
     assert lenient.stats.errors_returned["bad_request"] == len(GARBAGE)
+
+
+def test_a_body_over_its_method_limit_is_refused_before_it_is_read(swarm: Swarm) -> None:
+    lenient, raw_client = swarm.lenient, swarm.p2ps[1]
+    fits = [torch.arange(SMALL_BODY_BYTES // 4, dtype=torch.float32)]
+
+    async def scenario() -> None:
+        # only the prefix and head are sent: a refusal must not wait for (or allocate) the announced body
+        for method, body_len in (("small", SMALL_BODY_BYTES + 4), ("no-such-method", 32 << 20)):
+            head_bytes = msgpack.packb([method, 5.0, 0, b"", [["float32", 0, [body_len // 4]]]])
+            head = await _send_raw(
+                raw_client, lenient.peer_id, _prefix(Kind.REQUEST, len(head_bytes), body_len) + head_bytes
+            )
+            assert head.code == "bad_request" and "at most" in head.message, (method, head)
+        _, out = await swarm.libp2p.call(lenient.peer_id, "small", b"", fits, 5.0)
+        assert torch.equal(out[0], fits[0])
+        with pytest.raises(RemoteError) as info:  # an unknown method with a small body: just unknown
+            await swarm.libp2p.call(lenient.peer_id, "no-such-method", b"", fits, 5.0)
+        assert info.value.kind == "unknown_method"
+
+    swarm.run(scenario())
 
 
 def test_malformed_frame_bans_the_sender(swarm: Swarm) -> None:

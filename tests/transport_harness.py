@@ -22,6 +22,7 @@ from swarmnode.transport import Limits, Transport, TransportConfig
 
 T = TypeVar("T")
 HOST = ["/ip4/127.0.0.1/tcp/0"]
+SMALL_BODY_BYTES = 16  # the lenient server's "small" method takes at most this many tensor bytes
 LIMITS = Limits(max_message_bytes=64 << 20)
 SERVER_CONFIG = TransportConfig(limits=LIMITS, header_timeout=0.5, ban_seconds=30.0, direct_host="127.0.0.1")
 LIBP2P = TransportConfig(limits=LIMITS)
@@ -130,6 +131,7 @@ def running_swarm() -> Iterator[Swarm]:
         await server.start()
         lenient = Transport(lenient_p2p, dataclasses.replace(SERVER_CONFIG, ban_seconds=0.0))
         lenient.register("echo", echo)
+        lenient.register("small", echo, max_body_bytes=SMALL_BODY_BYTES)
         await lenient.start()
         libp2p, direct = Transport(libp2p_p2p, LIBP2P), Transport(direct_p2p, DIRECT)
         await direct.start()

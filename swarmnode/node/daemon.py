@@ -120,17 +120,20 @@ class Node:
             self.compute,
             timeout_s=2 * self.spec.hop_timeout_s,
         )
-        for method, handler in (
-            ("forward", self._on_forward),
-            ("backward", self._on_backward),
-            ("abort", self._on_abort),
-            ("average", self._on_average),
-            ("state", self._on_state),
-            ("ping", self._on_ping),
-            ("hello", self._on_hello),
-            ("route", self._on_route),
+        # what one request may carry (float32 at most): a hop's activations, or a replica's phi and theta
+        hop_bytes = 4 * self.spec.batch_size * self.spec.seq_len * self.model_config.dim
+        average_bytes = 8 * sum(p.numel() for p in self.piece.parameters())
+        for method, handler, max_body_bytes in (
+            ("forward", self._on_forward, hop_bytes),
+            ("backward", self._on_backward, hop_bytes),
+            ("abort", self._on_abort, 0),
+            ("average", self._on_average, average_bytes),
+            ("state", self._on_state, 0),
+            ("ping", self._on_ping, 0),
+            ("hello", self._on_hello, 0),
+            ("route", self._on_route, 0),
         ):
-            self.transport.register(method, self._guarded(handler))
+            self.transport.register(method, self._guarded(handler), max_body_bytes)
         self.compute.start()
         self._started = True
         await self.transport.start()

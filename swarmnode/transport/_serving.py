@@ -37,6 +37,8 @@ from swarmnode.transport._framing import (
 
 logger = logging.getLogger(__name__)
 
+UNKNOWN_METHOD_BODY_BYTES = 1 << 20  # what a request for a method not served may carry before it is refused
+
 Handler = Callable[[PeerID, bytes, list[torch.Tensor]], Awaitable[tuple[bytes, list[torch.Tensor]]]]
 """Serves one method: (caller, meta, tensors) -> (meta, tensors) of the reply."""
 
@@ -45,11 +47,16 @@ class Server:
     """Serves inbound streams with the handlers of `handlers` (looked up per request, so it may grow)."""
 
     def __init__(
-        self, config: TransportConfig, stats: TransportStats, handlers: Mapping[str, Handler]
+        self,
+        config: TransportConfig,
+        stats: TransportStats,
+        handlers: Mapping[str, Handler],
+        body_limits: Mapping[str, int],
     ) -> None:
         self._config = config
         self._stats = stats
         self._handlers = handlers
+        self._body_limits = body_limits  # per method; others: the limits' max_message_bytes
         self._inbound: set[asyncio.Task[Any]] = set()  # tasks serving a stream
         self._inbound_per_peer: Counter[PeerID] = Counter()
         self._banned: dict[PeerID, float] = {}  # peer -> monotonic time the ban ends
@@ -155,6 +162,9 @@ class Server:
         async with asyncio.timeout(config.header_timeout):
             head = await reader.readexactly(head_len)
         request = cast(Request, parse_head(kind, head, body_len, config.limits))
+        limit = self._body_limit(request.method)
+        if body_len > limit:  # refused before a byte of it is allocated
+            raise ProtocolError(f"{request.method!r} request of {body_len} tensor bytes; at most {limit}")
         deadline = started + min(request.timeout, config.max_request_seconds)
         async with asyncio.timeout_at(deadline):
             tensors = await read_tensors(reader, request.specs)
@@ -162,6 +172,11 @@ class Server:
         async with asyncio.timeout_at(max(deadline, loop.time() + config.header_timeout)):
             await write_frame(writer, reply)
         return True
+
+    def _body_limit(self, method: str) -> int:
+        if method not in self._handlers:  # answered "unknown_method" once read: read only a little of it
+            return min(UNKNOWN_METHOD_BODY_BYTES, self._config.limits.max_message_bytes)
+        return self._body_limits.get(method, self._config.limits.max_message_bytes)
 
     async def _dispatch(
         self, peer_id: PeerID, request: Request, tensors: list[torch.Tensor], deadline: float

@@ -40,8 +40,9 @@ class Transport:
         self._config = config or TransportConfig()
         self.stats = TransportStats()
         self._handlers: dict[str, Handler] = {}
+        self._body_limits: dict[str, int] = {}
         self._pool = StreamPool(p2p, self._config, self.stats)
-        self._server = Server(self._config, self.stats, self._handlers)
+        self._server = Server(self._config, self.stats, self._handlers, self._body_limits)
         self._dialer: DirectDialer | None = None
         self._listener: DirectListener | None = None
         if self._config.direct_host is not None:
@@ -53,13 +54,20 @@ class Transport:
     def peer_id(self) -> PeerID:
         return self._p2p.peer_id
 
-    def register(self, method: str, handler: Handler) -> None:
+    def register(self, method: str, handler: Handler, max_body_bytes: int | None = None) -> None:
         """Serve `method` with `handler`; its reply tensors are sent from their memory, so it must not
-        change them after returning (return clones of live weights). Names starting with "_" are reserved."""
+        change them after returning (return clones of live weights). Names starting with "_" are reserved.
+
+        `max_body_bytes` bounds the tensor bytes one request of `method` may carry (default: the limits'
+        `max_message_bytes`); a request announcing more is refused as malformed before anything is read."""
         if method.startswith("_"):
             raise ValueError(f"method names starting with '_' are reserved, got {method!r}")
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
+        if max_body_bytes is not None:
+            if max_body_bytes < 0:
+                raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
+            self._body_limits[method] = max_body_bytes
         self._handlers[method] = handler
 
     def ban(self, peer_id: PeerID, seconds: float) -> None:
