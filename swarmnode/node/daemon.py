@@ -86,6 +86,7 @@ class Node:
         self._stopping = asyncio.Event()
         self._stepping = False
         self._started = False
+        self._greeted: bool | None = None  # None: no greeting read running; True: another one asked for
         self.move_to: int | None = None  # set when this node decides to leave for a lost stage
         self.copies: dict[StatePart, state.TensorMap] = {}
         self.copy_parts: tuple[StatePart, ...] = ()
@@ -253,9 +254,23 @@ class Node:
         return encode(Ack(detail=str(self.stage))), []
 
     async def _on_hello(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        """A node just came online: read the DHT now rather than at the next refresh (used by data nodes)."""
-        self.spawn(self.refresh_snapshot(), "hello-refresh")
+        """A node just came online: read the DHT now rather than at the next refresh. However many greetings
+        arrive, one read runs at a time and at most one more follows it (a flood costs no more)."""
+        if self._greeted is None:
+            self._greeted = False
+            self.spawn(self._refresh_for_greetings(), "hello-refresh")
+        else:
+            self._greeted = True
         return encode(Ack()), []
+
+    async def _refresh_for_greetings(self) -> None:
+        try:
+            await self.refresh_snapshot()
+            while self._greeted:  # greeted again while reading: read once more, for them all
+                self._greeted = False
+                await self.refresh_snapshot()
+        finally:
+            self._greeted = None
 
     async def _greet_peers(self) -> None:
         """Tell the peers that route to this node that it serves now, so that they read the DHT at once: a

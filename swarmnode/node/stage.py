@@ -133,7 +133,10 @@ class StageNode(Node):
         output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
         self.tokens_processed += hidden.shape[0] * hidden.shape[1]
         hops = self._hops.get(key)
-        delivered = await self.router.forward(message, output, hops.downstream if hops else None)
+        if hops is None:  # aborted while it waited for the compute thread: hold nothing, send nothing
+            await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
+            return
+        delivered = await self.router.forward(message, output, hops.downstream)
         if delivered is None:
             await self._abort_everywhere(message, key, "next hop unreachable")
         elif delivered.path != message.path:
