@@ -15,6 +15,7 @@ from hivemind.utils import MSGPackSerializer
 
 from protocols.messages import NodeRecord, NodeState, StatePart, encode
 from swarmnode.model import ModelConfig, build_stage
+from swarmnode.node.hops import HopBook
 from swarmnode.node.planning import Snapshot, plan_iteration
 from swarmnode.node.run import choose_stage, leaves_claim
 from swarmnode.node.state import (
@@ -115,6 +116,23 @@ def test_tracker_waits_for_every_microbatch_it_holds_even_when_aborts_fill_the_c
     tracker.on_finished(("d", 0, 0), applied=True, now=0.5)
     decision = tracker.ready(held=0, now=0.6)
     assert decision is not None and decision.applied == 2
+
+
+def test_only_a_peer_a_microbatch_was_sent_to_may_return_its_gradient() -> None:
+    book, key = HopBook(), ("data", 4, 1)
+    tries = book.take(key, ("data", "s1"))
+    tries |= {"s3-dead", "s3-alive"}  # the router tried a dead replica, then re-routed
+    assert book.may_send_gradient(key, "s3-alive") and book.may_send_gradient(key, "s3-dead")
+    assert not book.may_send_gradient(key, "mallory")  # whatever path mallory's message claims
+    assert not book.may_send_gradient(("data", 4, 2), "s3-alive")  # not taken
+    assert all(book.may_abort(key, p) for p in ("data", "s1", "s3-alive"))
+    assert not book.may_abort(key, "mallory")
+    assert book.may_abort(("data", 9, 0), "anyone")  # not taken here: the tracker bounds what it does
+    book.take(("data", 5, 0), ("data",))
+    book.forget_groups_except({("data", 5)})
+    assert key not in book and book.tries(key) is None and len(book) == 1
+    book.forget(("data", 5, 0))
+    assert len(book) == 0
 
 
 # ---- planning from records ------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -18,6 +17,7 @@ from swarmnode.node import recovery
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
 from swarmnode.node.daemon import Node
+from swarmnode.node.hops import HopBook
 from swarmnode.node.tracker import StepTracker
 from swarmnode.node.worker import Key, MissingActivations, StageWorker
 from swarmnode.runspec import RunSpec
@@ -31,16 +31,6 @@ ORIGIN_REFRESH_S = 1.0  # at most one DHT read a second for forwards from a data
 BACKLOG_ITERATIONS = 4  # microbatches held or queued beyond this many iterations' worth are refused (BUSY)
 
 
-@dataclass
-class _Hops:
-    """The peers one held microbatch involves: its path up to this node, as received, and every peer this
-    node tried to send it on to. Only one of the latter may send its gradient back; aborts come from these
-    or from its data node."""
-
-    upstream: tuple[str, ...]
-    downstream: set[str] = field(default_factory=set)
-
-
 class StageNode(Node):
     """A node of transformer stage k >= 1: forward and backward passes for the microbatches routed here."""
 
@@ -51,7 +41,7 @@ class StageNode(Node):
         self.worker = StageWorker(self.piece, self.optimizer)
         self.tracker = StepTracker(spec.iteration_timeout_s)
         self.rebalance = rebalance
-        self._hops: dict[Key, _Hops] = {}
+        self._hops = HopBook()
         self._served: set[int] = set()  # stages this node has seen served (`--rebalance` moves only to those)
         self._origins_read_at = -math.inf
 
@@ -104,7 +94,7 @@ class StageNode(Node):
         expected = min(message.visits[message.hop], self.spec.microbatches) if message.visits else 0
         if not self.tracker.on_forward(key, expected, time.monotonic()):
             raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
-        self._hops[key] = _Hops(message.path[: message.hop])
+        self._hops.take(key, message.path[: message.hop])
         self.spawn(self._forward(message, key, hidden), "forward")
         return encode(Ack()), []
 
@@ -125,18 +115,17 @@ class StageNode(Node):
         return BACKLOG_ITERATIONS * self.spec.microbatches * max(1, len(self.snapshot.online(0)))
 
     def abort_allowed(self, peer: str, key: Key) -> bool:
-        hops = self._hops.get(key)
-        return hops is None or peer == key[0] or peer in hops.upstream or peer in hops.downstream
+        return self._hops.may_abort(key, peer)
 
     async def _forward(self, message: Forward, key: Key, hidden: Tensor) -> None:
         now = time.monotonic()
         output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
         self.tokens_processed += hidden.shape[0] * hidden.shape[1]
-        hops = self._hops.get(key)
-        if hops is None:  # aborted while it waited for the compute thread: hold nothing, send nothing
+        tries = self._hops.tries(key)
+        if tries is None:  # aborted while it waited for the compute thread: hold nothing, send nothing
             await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
             return
-        delivered = await self.router.forward(message, output, hops.downstream)
+        delivered = await self.router.forward(message, output, tries)
         if delivered is None:
             await self._abort_everywhere(message, key, "next hop unreachable")
         elif delivered.path != message.path:
@@ -156,10 +145,9 @@ class StageNode(Node):
         grad = self._hop_tensor(peer, message, tensors)
         key = (message.path[0], message.iteration, message.microbatch)
         shape = self.worker.output_shape(key)
-        hops = self._hops.get(key)
-        if shape is None or hops is None:
+        if shape is None or key not in self._hops:
             raise Rejected(ErrorCode.STALE, f"no activations held for microbatch {key}")
-        if peer not in hops.downstream:
+        if not self._hops.may_send_gradient(key, peer):
             raise Rejected(ErrorCode.MALFORMED, f"{peer[-8:]} was not sent microbatch {key}")
         if tuple(grad.shape) != shape:
             raise Rejected(
@@ -173,7 +161,7 @@ class StageNode(Node):
             grad_in = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.backward(key, grad))
         except MissingActivations:
             return  # aborted meanwhile
-        self._hops.pop(key, None)
+        self._hops.forget(key)
         self.tracker.on_finished(key, applied=True, now=time.monotonic())
         delivered = await self.router.backward(message, grad_in)
         if not delivered:
@@ -186,7 +174,7 @@ class StageNode(Node):
 
     async def on_abort(self, key: Key, reason: str) -> None:
         dropped = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
-        self._hops.pop(key, None)
+        self._hops.forget(key)
         self.tracker.on_finished(key, applied=False, now=time.monotonic())
         if dropped:
             logger.info("dropped microbatch %s: %s", key, reason)
@@ -203,8 +191,7 @@ class StageNode(Node):
                 Priority.BACKWARD, lambda: self.worker.drop_groups_except(open_groups)
             )
             self.microbatches_lost += dropped
-        for key in [key for key in self._hops if key[:2] not in open_groups]:
-            del self._hops[key]
+        self._hops.forget_groups_except(open_groups)
         decision = self.tracker.ready(self.worker.in_flight, now)
         if decision is None:
             return
