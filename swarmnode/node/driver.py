@@ -350,6 +350,9 @@ class DataNode(Node):
         if mb is not None and not mb.done:
             mb.loss = None
             await self._lose(iteration, mb, key, reason)
+            # its sender may be further along the path than nodes that hold it and take aborts only from
+            # peers they know: tell the whole path, as the data node
+            await self._abort_path(iteration, mb, reason)
 
     def abort_allowed(self, peer: str, key: Key) -> bool:
         iteration = self._current

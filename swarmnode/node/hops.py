@@ -37,6 +37,9 @@ class HopBook:
         self._taken[key] = _Hops(upstream)
         return self._taken[key].downstream
 
+    def keys(self) -> frozenset[Key]:
+        return frozenset(self._taken)
+
     def tries(self, key: Key) -> set[str] | None:
         """The set the router records its tries for `key` in, or None once `key` is finished or aborted."""
         hops = self._taken.get(key)

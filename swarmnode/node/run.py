@@ -157,15 +157,17 @@ async def run_join(options: JoinOptions) -> int:
 
 
 async def _build_announced(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) -> Node:
-    """Build the node (in a thread) while a `joining` record for its stage stays on the DHT, republished
+    """Build the node (in a thread) while a `recovering` record for its stage stays on the DHT, republished
     every record period: building a large preset's stage, or a data node's corpus, takes longer than one
-    record lives, and a `--stage auto` claim that lapsed would send the next joiner to the same stage."""
+    record lives, and a `--stage auto` claim that lapsed would send the next joiner to the same stage. Not
+    `joining`: a claim kept is no longer a claim that an older one beats (`leaves_claim` orders `joining`
+    claims by expiry, which a republished record would push forward)."""
     building = asyncio.ensure_future(asyncio.to_thread(_build_node, options, spec, dht, stage))
     while True:
         try:
-            await dht.publish(NodeRecord(NodeState.JOINING, stage, 0, 0), spec.record_ttl_s)
+            await dht.publish(NodeRecord(NodeState.RECOVERING, stage, 0, 0), spec.record_ttl_s)
         except TimeoutError:
-            logger.warning("the DHT did not store this node's joining record in time")
+            logger.warning("the DHT did not store this node's record in time")
         done, _ = await asyncio.wait({building}, timeout=spec.record_period_s)
         if done:
             return building.result()

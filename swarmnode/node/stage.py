@@ -44,6 +44,7 @@ class StageNode(Node):
         self._hops = HopBook()
         self._served: set[int] = set()  # stages this node has seen served (`--rebalance` moves only to those)
         self._origins_read_at = -math.inf
+        self._origins_read: asyncio.Future[None] | None = None  # the DHT read forwards from new origins await
 
     async def start(self) -> None:
         await super().start()
@@ -100,13 +101,24 @@ class StageNode(Node):
 
     async def _is_data_node(self, peer: str) -> bool:
         """Whether `peer` is an online data node, reading the DHT again (at most once a second) if the view
-        does not have it (a data node that just started)."""
+        does not have it (a data node that just started). Forwards that arrive during a read wait for it."""
         if peer in self.snapshot.online(0):
             return True
-        if time.monotonic() - self._origins_read_at >= ORIGIN_REFRESH_S:
+        reading = self._origins_read
+        if reading is None and time.monotonic() - self._origins_read_at >= ORIGIN_REFRESH_S:
             self._origins_read_at = time.monotonic()
-            await self.refresh_snapshot()
+            reading = self._origins_read = asyncio.ensure_future(self._read_origins())
+        if reading is not None:
+            await asyncio.shield(reading)
         return peer in self.snapshot.online(0)
+
+    async def _read_origins(self) -> None:
+        try:
+            await self.refresh_snapshot()
+        except Exception as error:  # a slow DHT: the forwards that waited are refused, not crashed
+            logger.warning("reading the swarm for a new data node failed: %s", error)
+        finally:
+            self._origins_read = None
 
     def _backlog_limit(self) -> int:
         """How many microbatches this node takes at once: a few iterations of every data node's plan, so the
@@ -185,13 +197,13 @@ class StageNode(Node):
             return
         now = time.monotonic()
         self.tracker.expire(now)
-        open_groups = self.tracker.open_groups
+        # before any await: a microbatch taken meanwhile belongs to a group that is open, and its forward job,
+        # submitted after the drop job below, runs after it (the drop's priority is higher)
+        self._hops.forget_groups_except(self.tracker.open_groups)
+        live = self._hops.keys()
         if self.worker.in_flight:  # drop, in one job, what expired groups (or interrupted drops) left held
-            dropped = await self.compute.submit(
-                Priority.BACKWARD, lambda: self.worker.drop_groups_except(open_groups)
-            )
+            dropped = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop_all_except(live))
             self.microbatches_lost += dropped
-        self._hops.forget_groups_except(open_groups)
         decision = self.tracker.ready(self.worker.in_flight, now)
         if decision is None:
             return

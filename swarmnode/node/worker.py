@@ -9,6 +9,7 @@ optimizer step never changes weights that a pending backward pass still needs.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +63,10 @@ class StageWorker:
         """Forget a microbatch (aborted); True if it was held."""
         return self._held.pop(key, None) is not None
 
-    def drop_groups_except(self, open_groups: set[tuple[str, int]]) -> int:
-        """Forget every microbatch whose group is not open any more (expired, or closed while a drop was
-        interrupted); returns how many were dropped. On the compute thread, like every change of `_held`."""
-        stale = [key for key in self._held if key[:2] not in open_groups]
+    def drop_all_except(self, live: Collection[Key]) -> int:
+        """Forget every microbatch not in `live` (its group expired, or closed while a drop was interrupted);
+        returns how many were dropped. On the compute thread, like every change of `_held`."""
+        stale = [key for key in self._held if key not in live]
         for key in stale:
             del self._held[key]
         return len(stale)
