@@ -8,6 +8,9 @@ started. Orphans that died but were not reaped by init (zombies) count as gone.
 A group id is safe to signal while the group has a member or its leader is not reaped yet. Once the leader is
 reaped and the group has no live member, the id is free for the system to reuse: the group is then marked
 gone, as soon as `poll()` sees it, and never signalled again.
+
+hivemind's p2pd and its client listen on `hivemind-*.sock` files, which they remove when they shut down; a
+SIGKILLed group cannot, so the sockets its members hold are noted just before the kill and removed after it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import suppress
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -75,9 +79,16 @@ class ChildProcess:
             self._popen.send_signal(signal.SIGTERM)
 
     def kill(self) -> int:
-        """SIGKILL the whole group at once (a spot instance vanishing) and reap the child; its exit code."""
+        """SIGKILL the whole group at once (a spot instance vanishing) and reap the child; its exit code. The
+        hivemind socket files the group held are removed (nothing in it can remove them any more)."""
+        self.poll()
+        sockets = set() if self._group_gone else hivemind_sockets(self.pid)
         self.signal_group(signal.SIGKILL)
-        return self._popen.wait()
+        code = self._popen.wait()
+        for path in sockets:
+            with suppress(OSError):
+                path.unlink(missing_ok=True)
+        return code
 
     def group_running(self) -> bool:
         """Whether any process of the child's group still runs (zombies do not count)."""
@@ -108,6 +119,25 @@ def group_running(pgid: int) -> bool:
     if not _PROC.is_dir():
         return True
     return any(_running_member(entry, pgid) for entry in _PROC.iterdir() if entry.name.isdigit())
+
+
+def hivemind_sockets(pgid: int) -> set[Path]:
+    """The `hivemind-*.sock` unix socket files that the live members of group `pgid` hold open (Linux)."""
+    inodes: set[str] = set()
+    for entry in _PROC.iterdir() if _PROC.is_dir() else ():
+        if entry.name.isdigit() and _running_member(entry, pgid):
+            with suppress(OSError):
+                for fd in (entry / "fd").iterdir():
+                    with suppress(OSError):
+                        target = os.readlink(fd)
+                        if target.startswith("socket:["):
+                            inodes.add(target[8:-1])
+    try:
+        table = (_PROC / "net" / "unix").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    paths = {Path(fields[7]) for line in table if len(fields := line.split()) >= 8 and fields[6] in inodes}
+    return {path for path in paths if path.name.startswith("hivemind-") and path.suffix == ".sock"}
 
 
 def _running_member(entry: Path, pgid: int) -> bool:

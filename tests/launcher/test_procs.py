@@ -179,3 +179,33 @@ def test_stop_all_cuts_the_grace_short_when_hurried(tmp_path: Path, cleanup: lis
     assert stop_all([stubborn], grace=60.0, hurry=lambda: next(hurried, True)) == []
     assert time.monotonic() - started < 10
     assert stubborn.returncode == -9 and not running(grandchild)
+
+
+# A child whose grandchild listens on two unix sockets (as p2pd does), then prints and waits.
+LISTENER = """
+import socket, subprocess, sys, time
+code = (
+    "import socket, sys, time\\n"
+    "servers = []\\n"
+    "for path in sys.argv[1:]:\\n"
+    "    s = socket.socket(socket.AF_UNIX); s.bind(path); s.listen(); servers.append(s)\\n"
+    "print('listening', flush=True); time.sleep(300)\\n"
+)
+grandchild = subprocess.Popen([sys.executable, "-c", code, *sys.argv[1:]], stdout=subprocess.PIPE)
+print(grandchild.stdout.readline().decode().strip(), flush=True)
+time.sleep(300)
+"""
+
+
+def test_kill_removes_the_hivemind_sockets_of_the_group(tmp_path: Path, cleanup: list[ChildProcess]) -> None:
+    ours, other = tmp_path / "hivemind-p2pd-test.sock", tmp_path / "someone-else.sock"
+    child = ChildProcess("listener", [sys.executable, "-c", LISTENER, str(ours), str(other)], tmp_path)
+    cleanup.append(child)
+    tail, deadline = LineTail(child.stdout_path), time.monotonic() + 20
+    while tail.read_lines() != ["listening"]:
+        assert time.monotonic() < deadline and child.poll() is None, child.stderr_tail()
+        time.sleep(0.02)
+    assert ours.exists() and other.exists()
+    child.kill()
+    assert not ours.exists()  # nothing in the group could remove it any more
+    assert other.exists()  # not hivemind's: left alone
