@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 from protocols.errors import LocalProtocolError
@@ -46,6 +47,30 @@ def full_pipeline_plan(view: SwarmView, rules: PathRules) -> Plan:
 
 def skips_without_collision_awareness(view: SwarmView, rules: PathRules, seed: int) -> Plan:
     """Random valid skips: the balanced sequences in random order, each stage on a random replica."""
+    return _swaps_if_they_finish(_random_skips, view, rules, seed)
+
+
+def skippipe_without_collision_avoidance(view: SwarmView, rules: PathRules, seed: int) -> Plan:
+    """The same balanced sequences, each microbatch on the path that would be fastest if it were alone in
+    the swarm (ties broken by the seed): SkipPipe with collision avoidance switched off."""
+    return _swaps_if_they_finish(_fastest_alone, view, rules, seed)
+
+
+def _swaps_if_they_finish(
+    method: Callable[[SwarmView, PathRules, int], Plan], view: SwarmView, rules: PathRules, seed: int
+) -> Plan:
+    """`method`'s plan; if every plan it draws deadlocks, its plan without CheckFree+ swaps (with few memory
+    slots, paths that run against the others' order can wait for each other forever; the scheduler drops
+    them the same way)."""
+    try:
+        return method(view, rules, seed)
+    except LocalProtocolError:
+        if rules.checkfree_plus_share == 0:
+            raise
+        return method(view, replace(rules, checkfree_plus_share=0.0), seed)
+
+
+def _random_skips(view: SwarmView, rules: PathRules, seed: int) -> Plan:
     rng = random.Random(seed)
     m = rules.microbatches_per_data_node
     space = SequenceSpace.of(view.n_stages, rules)
@@ -63,9 +88,7 @@ def skips_without_collision_awareness(view: SwarmView, rules: PathRules, seed: i
     return _first_completing(draw, view, rules)
 
 
-def skippipe_without_collision_avoidance(view: SwarmView, rules: PathRules, seed: int) -> Plan:
-    """The same balanced sequences, each microbatch on the path that would be fastest if it were alone in
-    the swarm (ties broken by the seed): SkipPipe with collision avoidance switched off."""
+def _fastest_alone(view: SwarmView, rules: PathRules, seed: int) -> Plan:
     rng = random.Random(seed)
     space = SequenceSpace.of(view.n_stages, rules)
     return _first_completing(lambda: greedy_paths(view, rules, space, rng, 0.0, aware=False), view, rules)

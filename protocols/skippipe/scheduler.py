@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 from protocols.errors import LocalProtocolError
 from protocols.skippipe.greedy import Shortlist, greedy_paths
@@ -74,6 +75,13 @@ def schedule(
         if _key(other[1]) < _key(best[1]):
             best = other
     paths, result = _improve(*best, view, rules, space, draws, rng, rounds, out_of_time)
+    if result.stuck and rules.checkfree_plus_share > 0:
+        # CheckFree+ swaps run some paths against the others' order; with few memory slots that can leave
+        # no plan that finishes. The share is a preference: plan without it.
+        plain = replace(rules, checkfree_plus_share=0.0)
+        return schedule(
+            view, plain, seed, restarts=restarts, rounds=rounds, slack=slack, clock=clock, budget_s=budget_s
+        )
     if result.stuck:
         raise LocalProtocolError(f"no plan found that completes with {rules.memory} memory slots per node")
     return Plan(paths, result.iteration_time_s, result.collisions)

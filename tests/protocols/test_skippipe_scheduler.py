@@ -21,6 +21,7 @@ from protocols.skippipe import (
     is_checkfree_plus,
     scenario_from_dict,
     schedule,
+    skippipe_without_collision_avoidance,
     skips_without_collision_awareness,
     validate_plan,
 )
@@ -67,6 +68,24 @@ def test_plans_on_random_swarms_pass_the_validator(case: tuple[SwarmView, PathRu
     assert validate_plan(skips_without_collision_awareness(view, rules, seed), view, rules) == []
     full_rules = dataclasses.replace(rules, skip_ratio=0.0, checkfree_plus_share=0.0)
     assert validate_plan(full_pipeline_plan(view, rules), view, full_rules) == []
+
+
+def test_checkfree_plus_swaps_give_way_when_one_memory_slot_would_deadlock_them() -> None:
+    """Two data nodes, one microbatch each, every node one memory slot: a swapped path and a plain one hold
+    stages 1 and 2 in opposite orders and wait for each other forever, so the plan drops the swap."""
+    link = (
+        (0.0, 1.1258333633496744, 0.6153889057242841, 1.6070434635194708),
+        (0.8533094956835103, 0.0, 0.7298397768953295, 1.315008689204569),
+        (0.6500666729405367, 1.0370414117777462, 0.0, 1.5182515119475428),
+        (1.2102052996927442, 1.1906943930440064, 1.0867355809045633, 0.0),
+    )
+    forward = [1.0341393688439109, 0.5995837965794225, 1.5238181981065866, 1.2558195435168966]
+    view = SwarmView.build([[2, 0], [1], [3]], forward, lambda a, b: link[a][b])
+    rules = PathRules(microbatches_per_data_node=1, memory=1, checkfree_plus_share=0.5)
+    plan = schedule(view, rules, 0, **QUICK)
+    assert validate_plan(plan, view, rules) == []  # rule 6: it finishes
+    for baseline in (skips_without_collision_awareness, skippipe_without_collision_avoidance):
+        assert validate_plan(baseline(view, rules, 0), view, rules) == [], baseline.__name__
 
 
 def small_swarm() -> tuple[SwarmView, PathRules]:
