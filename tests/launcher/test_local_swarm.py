@@ -17,18 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_state import running
 
 from swarmnode.launcher import LocalSwarm, Outcome, StageKill, SwarmConfig
 
 FAKE = (sys.executable, str(Path(__file__).with_name("fake_swarmnode.py")))
-
-
-def running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 def fake_pids(pids_dir: Path) -> list[int]:

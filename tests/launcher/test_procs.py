@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from proc_state import running
 
 from swarmnode.launcher.procs import ChildProcess, LineTail, StopSignals, group_running, stop_all
 
@@ -23,15 +24,6 @@ print(grandchild.pid, flush=True)
 print("partial line without newline", end="", flush=True)
 time.sleep(300)
 """
-
-
-def running(pid: int) -> bool:
-    """Whether `pid` runs (an unreaped zombie does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 def start_parent(tmp_path: Path, name: str, mode: str = "plain") -> tuple[ChildProcess, int]:
