@@ -23,6 +23,33 @@ from protocols._tensormap import TensorMap, check_same_layout, first_non_finite,
 from protocols.errors import LocalProtocolError
 
 DEFAULT_LR_FACTOR = 1.1
+SWAP_MIN_STAGES = 4  # CheckFree+ swaps need the first pair (S1, S2) and the last (S(s-1), Ss) to be apart
+
+
+def swaps_edge_pairs(num_stages: int, iteration: int, microbatch: int) -> bool:
+    """Whether CheckFree+ runs this microbatch with its edge pairs swapped.
+
+    Exactly every other microbatch of an iteration, alternating between iterations (so a data node with a
+    single microbatch per iteration swaps every other iteration): every data node, and every replica its
+    paths visit, sees both orders evenly, whatever the timing. `microbatch` numbers the microbatches of the
+    whole iteration across data nodes. Models of fewer than `SWAP_MIN_STAGES` transformer stages never
+    swap: there the two pairs share a stage, and swapping both would permute most of the network (measured
+    on a 3-stage model: the result then depends on timing; see docs/design.md).
+    """
+    if num_stages < 1 or iteration < 0 or microbatch < 0:
+        raise LocalProtocolError(f"invalid swap query ({num_stages}, {iteration}, {microbatch})")
+    return num_stages >= SWAP_MIN_STAGES and (iteration + microbatch) % 2 == 1
+
+
+def swap_edge_pairs(stages: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
+    """The positions of a path's stage hops in CheckFree+ order: (1, 2) at its start becomes (2, 1) and
+    (s-1, s) at its end becomes (s, s-1), where the path visits them one after the other."""
+    order = list(range(len(stages)))
+    if len(stages) >= 2 and (stages[0], stages[1]) == (1, 2):
+        order[0], order[1] = 1, 0
+    if len(stages) >= 2 and (stages[-2], stages[-1]) == (num_stages - 1, num_stages) and num_stages > 2:
+        order[-2], order[-1] = order[-1], order[-2]
+    return tuple(order)
 
 
 class Method(StrEnum):

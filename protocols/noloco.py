@@ -65,12 +65,15 @@ class OuterConfig:
         """The gamma in use: `gamma`, or `beta` when tied."""
         return self.beta if self.gamma is None else self.gamma
 
-    def due(self, step: int) -> bool:
-        """Whether an outer step follows inner step number `step` (counted from 1)."""
-        return step > 0 and step % self.inner_steps == 0
+    def due(self, step: int, last: int) -> int | None:
+        """The outer step due at clock `step` (the schedule position, counted from 1) after outer step
+        `last`, or None. Outer step k falls due once the clock has reached k * inner_steps; the clock may
+        jump past that boundary (a replica that saw no microbatch for a while), and the step is still due."""
+        outer = self.outer_step_of(step)
+        return outer if outer > last else None
 
     def outer_step_of(self, step: int) -> int:
-        """The outer step number that a due inner step `step` completes (1, 2, ...)."""
+        """The outer step whose boundary clock `step` has reached (0 before the first)."""
         return step // self.inner_steps
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "val_batches",
 ]
 
+VALIDATION_SEQUENCES = 32  # windows of the validation set (`validation_set`)
 _ENCODE_CHUNK = 64  # documents per encode_batch call: parallel enough, bounded memory
 Tokens = TypeVar("Tokens", np.ndarray, torch.Tensor)
 
@@ -158,6 +159,14 @@ def batches(
     rng = np.random.default_rng(seed)
     while True:
         yield _windows(tokens, rng.integers(0, high, size=batch_size), seq_len)
+
+
+def validation_set(
+    tokens: np.ndarray, batch_size: int, seq_len: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The validation batches every swarm figure is measured on: `VALIDATION_SEQUENCES` fixed windows
+    (at least one batch), the same for the single-process trainer and the data nodes of a run."""
+    return val_batches(tokens, batch_size, seq_len, max(1, VALIDATION_SEQUENCES // batch_size))
 
 
 def val_batches(

@@ -40,8 +40,12 @@ class Schedule:
 class StageOptimizer:
     """Adam over one stage's parameters, with per-stage clipping and an lr multiplier.
 
-    `lr_factor` is what CheckFree's rebuild sets (x1.1 on a rebuilt stage); `step` counts this stage's own
-    optimizer steps and drives the schedule.
+    `lr_factor` is what CheckFree's rebuild sets (x1.1 on a rebuilt stage). `step_count` is the position on
+    the schedule: in the single process the steps taken; in a swarm the swarm clock (the data nodes'
+    iteration) this stage has reached, which advances also while the stage takes no step (a replica that
+    received no microbatch in an iteration). Replicas of a stage therefore share the learning rate and the
+    NoLoCo outer-step boundaries whatever share of the microbatches each one gets. `updates` counts the
+    Adam updates this stage really took.
     """
 
     def __init__(self, module: nn.Module, schedule: Schedule, max_grad_norm: float = 1.0) -> None:
@@ -50,6 +54,7 @@ class StageOptimizer:
         self.max_grad_norm = max_grad_norm
         self.lr_factor = 1.0
         self.step_count = 0
+        self.updates = 0
         self.last_grad_norm: float | None = None
         self.adam = torch.optim.Adam(
             [p for p in module.parameters() if p.requires_grad],
@@ -62,12 +67,18 @@ class StageOptimizer:
     def lr(self) -> float:
         return self.schedule.lr_at(self.step_count) * self.lr_factor
 
-    def step(self, grad_scale: float = 1.0) -> float:
-        """Scale the accumulated gradients, clip, take one Adam step, zero the gradients.
+    def advance(self, clock: int) -> None:
+        """The swarm clock reached `clock`: move the schedule there (it never moves back)."""
+        self.step_count = max(self.step_count, clock)
+
+    def step(self, grad_scale: float = 1.0, at: int | None = None) -> float:
+        """Scale the accumulated gradients, clip, take one Adam step for clock tick `at` (default: the
+        current position), zero the gradients; the position is then past `at`.
 
         Returns the gradient norm measured before clipping. A non-finite norm skips the update (the
         gradients are dropped) so one poisoned microbatch cannot corrupt the weights.
         """
+        tick = self.step_count if at is None else max(at, 0)
         params = [p for p in self.module.parameters() if p.grad is not None]
         if grad_scale != 1.0:
             for p in params:
@@ -75,9 +86,10 @@ class StageOptimizer:
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)) if params else 0.0
         if math.isfinite(norm):
             for group in self.adam.param_groups:
-                group["lr"] = self.lr
+                group["lr"] = self.schedule.lr_at(tick) * self.lr_factor
             self.adam.step()
-            self.step_count += 1
+            self.advance(tick + 1)
+            self.updates += 1
             self.last_grad_norm = norm
         self.adam.zero_grad(set_to_none=True)
         return norm

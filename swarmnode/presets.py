@@ -28,7 +28,8 @@ class Preset:
 
     ``n_stages`` is the default number of transformer stages (``S1..Ss``); a data node runs ``microbatches``
     microbatches of ``batch_size`` sequences of ``seq_len`` tokens per optimizer step. The tokenizer is
-    trained with :attr:`vocab_size` tokens. ``published_params`` is the paper's size (``None`` for ``tiny``).
+    trained with :attr:`vocab_size` tokens. ``noloco_inner_steps`` is NoLoCo's H (the paper's 50 unless a
+    preset says why not). ``published_params`` is the paper's size (``None`` for ``tiny``).
     """
 
     name: str
@@ -39,11 +40,12 @@ class Preset:
     microbatches: int
     lr: float
     warmup_steps: int
+    noloco_inner_steps: int = 50
     published_params: int | None = None
 
     def __post_init__(self) -> None:
         stage_layers(self.model, 1, self.n_stages)  # raises if the layers do not split evenly
-        for name in ("seq_len", "batch_size", "microbatches"):
+        for name in ("seq_len", "batch_size", "microbatches", "noloco_inner_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"preset {self.name!r}: {name} must be positive, got {getattr(self, name)}")
         if self.seq_len > self.model.max_seq_len:
@@ -83,10 +85,14 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                 ),
                 n_stages=3,
                 seq_len=128,
-                batch_size=8,
-                microbatches=1,
+                # two microbatches of 4 rather than one of 8 (the same step in the single process): with
+                # two replicas per stage each replica then takes a step every iteration
+                batch_size=4,
+                microbatches=2,
                 lr=3e-3,
                 warmup_steps=10,
+                # the demo runs 100-200 steps: H = 50 would average two to four times in a whole run
+                noloco_inner_steps=10,
             ),
             # CheckFree: TinyStories; 4 stages of 3 layers; 4 microbatches of 64; Adam 6e-4, constant.
             Preset(

@@ -41,7 +41,7 @@ class RunSpec:
     skip_ratio: float = 0.0
     node_memory: int = 4
     checkfree_plus: bool = True
-    noloco_inner_steps: int = 10
+    noloco_inner_steps: int = 50
     noloco_alpha: float = 0.5
     noloco_beta: float = 0.7
     noloco_gamma: float = 0.7
@@ -127,6 +127,7 @@ class RunSpec:
             seq_len=preset.seq_len,
             lr=preset.lr,
             warmup_steps=preset.warmup_steps,
+            noloco_inner_steps=preset.noloco_inner_steps,
         )
         return base.with_overrides(**overrides)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from swarmnode.data import Corpus, batches, load_corpus, val_batches
+from swarmnode.data import Corpus, batches, load_corpus, val_batches, validation_set
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import DataPiece, build_piece
 from swarmnode.presets import Preset, get_preset
@@ -31,7 +31,7 @@ class TrainConfig:
     tokenizer: Path | None = None
     seed: int = 0
     eval_every: int = 20
-    eval_batches: int = 4
+    eval_batches: int | None = None  # None: the standard validation set (`data.validation_set`)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,11 @@ def train(
     schedule = Schedule(preset.lr, preset.warmup_steps, config.steps)
     optimizers = [StageOptimizer(piece, schedule) for piece in pieces]
 
-    fixed_val = list(val_batches(corpus.val_tokens, preset.batch_size, preset.seq_len, config.eval_batches))
+    fixed_val = (
+        validation_set(corpus.val_tokens, preset.batch_size, preset.seq_len)
+        if config.eval_batches is None
+        else val_batches(corpus.val_tokens, preset.batch_size, preset.seq_len, config.eval_batches)
+    )
     initial_val = evaluate(data_piece, stages, fixed_val)
     val_loss = initial_val
     stream = batches(corpus.train_tokens, preset.batch_size, preset.seq_len, seed=config.seed)

@@ -57,6 +57,32 @@ def test_tracker_steps_only_when_every_planned_microbatch_finished() -> None:
     assert decision is not None and decision.groups == 1 and decision.applied == 1
 
 
+def test_tracker_decision_names_the_latest_iteration_applied() -> None:
+    tracker = StepTracker(expiry_s=30.0)
+    for key in (("d", 4, 0), ("e", 5, 0), ("f", 6, 0)):
+        assert tracker.on_forward(key, expected=1, now=0.0)
+    tracker.on_finished(("d", 4, 0), applied=True, now=0.0)
+    tracker.on_finished(("e", 5, 0), applied=True, now=0.0)
+    tracker.on_finished(("f", 6, 0), applied=False, now=0.0)  # aborted: its tick holds no gradient
+    decision = tracker.ready(held=0, now=0.1)
+    assert decision is not None and (decision.groups, decision.iteration) == (2, 5)
+
+
+def test_the_schedule_follows_the_swarm_clock() -> None:
+    module = torch.nn.Linear(2, 2)
+    optimizer = StageOptimizer(module, Schedule(1.0, 10, 100))
+    optimizer.advance(7)  # a replica that saw no microbatch: the clock moved on without it
+    optimizer.advance(3)  # never back
+    assert optimizer.step_count == 7 and optimizer.updates == 0
+    module(torch.ones(1, 2)).sum().backward()
+    optimizer.step(at=9)  # gradients of tick 9: the lr of tick 9, then the clock is past it
+    assert optimizer.step_count == 10 and optimizer.updates == 1
+    assert optimizer.adam.param_groups[0]["lr"] == pytest.approx(Schedule(1.0, 10, 100).lr_at(9))
+    module(torch.ones(1, 2)).sum().backward()
+    optimizer.step()  # the single process: one tick per step
+    assert optimizer.step_count == 11 and optimizer.updates == 2
+
+
 def test_tracker_ignores_duplicates_and_late_messages() -> None:
     tracker = StepTracker(expiry_s=30.0)
     assert tracker.on_forward(("d", 0, 0), expected=1, now=0.0)
@@ -166,12 +192,37 @@ def test_plan_is_empty_without_any_transformer_stage() -> None:
     assert plan_iteration(snapshot(s0=("d",)), "d", spec, iteration=0, tokens_per_microbatch=1) == []
 
 
-def test_checkfree_plus_swaps_edge_stages_in_about_half_the_paths() -> None:
+def test_checkfree_plus_swaps_both_edge_pairs_of_every_other_microbatch() -> None:
     spec = RunSpec(run_id="r", stages=6, microbatches=8, checkfree_plus=True, preset="tiny")
     view = snapshot(s0=("d",), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
-    planned = plan_iteration(view, "d", spec, iteration=1, tokens_per_microbatch=1024)
-    swapped = [mb for mb in planned if mb.stages[1:3] == (2, 1)]
-    assert 2 <= len(swapped) <= 6
+    for iteration in (1, 2):
+        planned = plan_iteration(view, "d", spec, iteration=iteration, tokens_per_microbatch=1024)
+        swapped = [mb.microbatch for mb in planned if mb.stages[1:-1] == (2, 1, 3, 4, 6, 5)]
+        plain = [mb.microbatch for mb in planned if mb.stages[1:-1] == (1, 2, 3, 4, 5, 6)]
+        assert swapped == [m for m in range(8) if (iteration + m) % 2 == 1]
+        assert sorted(swapped + plain) == list(range(8))
+        for mb in planned:  # the nodes, not their order, decide the visit counts
+            assert dict(zip(mb.path, mb.visits, strict=True))["n1"] == 8
+
+
+def test_checkfree_plus_swaps_every_data_node_evenly() -> None:
+    # two data nodes with one microbatch each: each swaps every other iteration, never both at once
+    spec = RunSpec(run_id="r", stages=6, microbatches=1, checkfree_plus=True, preset="tiny")
+    view = snapshot(s0=("d1", "d2"), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
+    for node in ("d1", "d2"):
+        orders = [
+            plan_iteration(view, node, spec, iteration=t, tokens_per_microbatch=1024)[0].stages[1:-1]
+            for t in range(4)
+        ]
+        assert orders.count((2, 1, 3, 4, 6, 5)) == 2 and orders.count((1, 2, 3, 4, 5, 6)) == 2
+
+
+def test_a_three_stage_model_never_swaps() -> None:
+    spec = RunSpec(run_id="r", stages=3, microbatches=4, checkfree_plus=True)
+    view = snapshot(s0=("d",), s1=("a",), s2=("b",), s3=("c",))
+    for iteration in range(3):
+        planned = plan_iteration(view, "d", spec, iteration=iteration, tokens_per_microbatch=1024)
+        assert all(mb.stages == (0, 1, 2, 3, 0) for mb in planned)
 
 
 # ---- stage choice -------------------------------------------------------------------------------------

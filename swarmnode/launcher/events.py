@@ -60,6 +60,18 @@ class Recovered:
 
 
 @dataclass(frozen=True)
+class OuterStep:
+    """A node of stage `stage` took NoLoCo outer step `outer_step`: `paired` with a replica, or alone;
+    `matched`: whether the pairing gave it a partner at all (a lone replica, or the odd one out, has none)."""
+
+    stage: int
+    outer_step: int
+    paired: bool
+    matched: bool
+    time: float
+
+
+@dataclass(frozen=True)
 class MicrobatchLost:
     """A data node gave up on `count` microbatches (their paths hit dead nodes and timed out)."""
 
@@ -68,7 +80,7 @@ class MicrobatchLost:
     time: float
 
 
-Event = Joining | Online | Step | Validation | Recovered | MicrobatchLost
+Event = Joining | Online | Step | Validation | Recovered | OuterStep | MicrobatchLost
 
 
 def parse_event(line: str, received: float) -> Event | None:
@@ -109,6 +121,16 @@ def parse_event(line: str, received: float) -> Event | None:
             stage, method, seconds = _count(raw.get("stage")), raw.get("method"), _number(raw.get("seconds"))
             if stage is not None and method in RECOVERY_METHODS and seconds is not None:
                 return Recovered(stage, method, seconds, when)
+        case "outer_step":
+            stage, outer = _count(raw.get("stage")), _count(raw.get("outer_step"))
+            paired, matched = raw.get("paired"), raw.get("matched")
+            if (
+                stage is not None
+                and outer is not None
+                and isinstance(paired, bool)
+                and isinstance(matched, bool)
+            ):
+                return OuterStep(stage, outer, paired, matched, when)
         case "microbatch_lost":
             step, count = _count(raw.get("step", 0)), _count(raw.get("count", 1))
             if step is not None and count is not None:

@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from swarmnode.launcher.events import Event, MicrobatchLost, Recovered, Step, Validation
+from swarmnode.launcher.events import Event, MicrobatchLost, OuterStep, Recovered, Step, Validation
 
 FINAL_LOSS_STEPS = 10  # final_loss averages the last steps, as the single-process trainer does
 
@@ -40,6 +40,23 @@ class Recovery:
     downtime: float | None
 
 
+@dataclass
+class OuterSteps:
+    """NoLoCo outer steps of one stage's nodes: `rounds` taken, `paired` with a replica, `alone`, and of
+    those alone, `unmatched`: the pairing gave them no partner (a lone replica, or the odd one out)."""
+
+    rounds: int = 0
+    paired: int = 0
+    alone: int = 0
+    unmatched: int = 0
+
+    @property
+    def paired_share(self) -> float | None:
+        """Paired rounds over the rounds that had a partner to pair with (None if none had)."""
+        matched = self.rounds - self.unmatched
+        return self.paired / matched if matched else None
+
+
 @dataclass(frozen=True)
 class CurvePoint:
     step: int
@@ -61,6 +78,7 @@ class RunRecord:
         self._vals: dict[int, list[float]] = defaultdict(list)
         self._val_times: dict[int, float] = {}
         self._tokens: list[tuple[float, int]] = []
+        self.outer_steps: dict[int, OuterSteps] = defaultdict(OuterSteps)
 
     @property
     def step(self) -> int:
@@ -85,6 +103,12 @@ class RunRecord:
                 downtime = None if lost is None else max(0.0, seconds - lost)
                 recovery = Recovery(seconds, self.step, event.stage, event.method, event.seconds, downtime)
                 self.recoveries.append(recovery)
+            case OuterStep():
+                stage = self.outer_steps[event.stage]
+                stage.rounds += 1
+                stage.paired += int(event.paired)
+                stage.alone += int(not event.paired)
+                stage.unmatched += int(not event.matched)
             case MicrobatchLost():
                 self.microbatches_lost += event.count
 

@@ -61,6 +61,16 @@ def build_report(
             for method, durations in sorted(by_method.items())
         },
         "microbatches_lost": record.microbatches_lost,
+        "noloco": {
+            str(stage): {
+                "rounds": steps.rounds,
+                "paired": steps.paired,
+                "alone": steps.alone,
+                "unmatched": steps.unmatched,
+                "paired_share": steps.paired_share,
+            }
+            for stage, steps in sorted(record.outer_steps.items())
+        },
         "settings": dict(settings),
         "nodes": [dict(node) for node in nodes],
         "loss_curve": [

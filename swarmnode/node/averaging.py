@@ -33,12 +33,18 @@ TensorMap = dict[str, Tensor]
 
 @dataclass
 class _Pending:
+    outer_step: int
     result: OuterResult
     theta_snap: TensorMap
 
 
 class OuterLoop:
-    """One node's NoLoCo state (slow weights phi, momentum delta) and its exchanges."""
+    """One node's NoLoCo state (slow weights phi, momentum delta) and its exchanges.
+
+    Outer steps are numbered by the swarm clock (`OuterConfig.due`), so the replicas of a stage reach outer
+    step k within about one iteration of each other whatever share of the microbatches each one gets;
+    `outer_step` is the number of the last one applied.
+    """
 
     def __init__(
         self,
@@ -69,19 +75,27 @@ class OuterLoop:
         self._running = False
         self._last_round = 0
 
-    def due(self, step: int) -> bool:
-        """An outer step is due at every H-th inner step, once (a step that did not advance the count, e.g.
-        a skipped non-finite update, does not start the same outer step again)."""
-        return (
-            self.config.due(step) and not self._running and self.config.outer_step_of(step) > self._last_round
-        )
+    def take_due(self, step: int) -> int | None:
+        """The outer step due at clock `step`, or None (none due, or one still runs). A step returned is
+        taken at once, before its `run` starts, so that concurrent callers never start it twice."""
+        outer = None if self._running else self.config.due(step, self._last_round)
+        if outer is not None:
+            self._running, self._last_round = True, outer
+        return outer
 
-    async def run(self, step: int, replicas: list[str], clock: Callable[[], float]) -> None:
-        """One outer step: pair, exchange, compute the update (applied later by `apply_pending`)."""
-        self._running = True
+    def resume_at(self, outer_step: int) -> None:
+        """This node took over a replica's state at `outer_step`: the outer steps up to it are done."""
+        self.outer_step = self._last_round = outer_step
+
+    @property
+    def has_pending(self) -> bool:
+        """An outer update is computed and waits for `apply_pending`."""
+        return self._pending is not None
+
+    async def run(self, outer: int, replicas: list[str], clock: Callable[[], float]) -> None:
+        """Outer step `outer` (from `take_due`): pair, exchange, compute the update (applied later by
+        `apply_pending`)."""
         try:
-            outer = self.config.outer_step_of(step)
-            self._last_round = outer
             self._theta_snap = await self.compute.submit(Priority.STEP, self._snapshot)
             self._delivered.clear()
             rnd = PairingRound(
@@ -114,12 +128,13 @@ class OuterLoop:
                     outcome.partner_thetas,
                 ),
             )
-            self._pending = _Pending(result, theta_snap)
+            self._pending = _Pending(outer, result, theta_snap)
             emit(
                 "outer_step",
                 stage=self.stage,
                 outer_step=outer,
                 paired=outcome.phase == Phase.PAIRED,
+                matched=rnd.partner is not None,  # else alone by design: no replica to pair with
                 partner=outcome.partner,
                 reason=outcome.reason,
             )
@@ -197,7 +212,7 @@ class OuterLoop:
                 param.copy_(pending.result.phi[name] + (param - pending.theta_snap[name]))
         self.phi = {name: t.clone() for name, t in pending.result.phi.items()}
         self.delta = dict(pending.result.delta)
-        self.outer_step += 1
+        self.outer_step = pending.outer_step
         return True
 
     def _snapshot(self) -> TensorMap:

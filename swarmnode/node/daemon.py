@@ -328,11 +328,8 @@ class Node:
         factor)."""
         checked = state.check_replica_state(self.piece, received)  # refused state changes nothing
         state.load_replica_state(self.piece, self.optimizer, checked)
-        self.outer.phi, self.outer.delta, self.outer.outer_step = (
-            checked.phi,
-            checked.delta,
-            header.outer_step,
-        )
+        self.outer.phi, self.outer.delta = checked.phi, checked.delta
+        self.outer.resume_at(header.outer_step)
         self.optimizer.step_count = header.step
         self.optimizer.last_grad_norm = header.grad_norm
         self.optimizer.lr_factor = header.lr_factor
@@ -401,8 +398,14 @@ class Node:
             logger.error("task %s failed", task.get_name(), exc_info=task.exception())
 
     async def outer_step_if_due(self) -> None:
-        if self.outer.due(self.optimizer.step_count):
+        """Start the NoLoCo outer step that the swarm clock has reached, if one is due."""
+        outer = self.outer.take_due(self.optimizer.step_count)
+        if outer is not None:
             replicas = [p for p in self.router.online(self.stage) if p != self.me]
-            self.spawn(
-                self.outer.run(self.optimizer.step_count, [*replicas, self.me], time.monotonic), "noloco"
-            )
+            self.spawn(self.outer.run(outer, [*replicas, self.me], time.monotonic), "noloco")
+
+    async def tick(self, clock: int) -> None:
+        """The swarm clock reached `clock` (seen in a forward or a data node's record): the schedule moves
+        there even if this node took no step, and a NoLoCo outer step that falls due starts."""
+        self.optimizer.advance(clock)
+        await self.outer_step_if_due()

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from protocols.messages import Ack, Backward, ErrorCode, Forward, Route, encode
-from swarmnode.data import Corpus, batches, data_node_tokens, val_batches
+from swarmnode.data import Corpus, batches, data_node_tokens, validation_set
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
@@ -32,7 +32,6 @@ from swarmnode.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
 
-VALIDATION_BATCHES = 2
 WATCH_S = 1.0  # how often a waiting data node checks that the peers on pending paths are alive
 DEAD_GRACE_S = 2.0  # how long a microbatch may stay pending after a peer on its path was found dead
 EVALUATION_BASE = 2**62  # iteration numbers of validation passes, apart from training iterations
@@ -79,7 +78,7 @@ class DataNode(Node):
         self.worker = DataWorker(self.piece, self.optimizer)
         tokens, seed = data_node_tokens(corpus.train_tokens, data_shard, spec.seed, self.me)
         self._batches: Iterator[tuple[Tensor, Tensor]] = batches(tokens, spec.batch_size, spec.seq_len, seed)
-        self._validation = val_batches(corpus.val_tokens, spec.batch_size, spec.seq_len, VALIDATION_BATCHES)
+        self._validation = validation_set(corpus.val_tokens, spec.batch_size, spec.seq_len)
         self.eval_every = eval_every
         self.iteration = 0
         self._evaluations = 0
@@ -88,10 +87,18 @@ class DataNode(Node):
         self.routes_reported = 0  # re-routes that stage nodes reported (`Route`)
 
     async def train(self) -> None:
-        """Run iterations until the run's total steps; returns early if stopped."""
+        """Run iterations until the run's total steps; returns early if stopped.
+
+        The iteration number is the swarm clock: one tick per iteration, successful or not. A data node
+        that finds another one ahead of it (in the DHT records) catches up, so the data nodes' clocks agree
+        and the stage replicas, which follow the clock in the forwards they see, share one schedule."""
         if self.optimizer.step_count == 0:
             await self.evaluate()  # the initial validation loss, once every stage is online
-        while self.optimizer.step_count < self.spec.total_steps and not self._stopping.is_set():
+        while not self._stopping.is_set():
+            self.iteration = max(self.iteration, self.optimizer.step_count, self.snapshot.clock())
+            if self.iteration >= self.spec.total_steps:
+                break
+            self.optimizer.advance(self.iteration)
             view = self.snapshot.without(self.router.suspects())
             planned = plan_iteration(view, self.me, self.spec, self.iteration, self._tokens_per_mb)
             if not planned:
@@ -100,11 +107,12 @@ class DataNode(Node):
                 continue
             started = time.monotonic()
             losses, lost = await self._run_iteration(planned, [next(self._batches) for _ in planned])
-            self.iteration += 1
+            tick, self.iteration = self.iteration, self.iteration + 1
+            evaluations = self.optimizer.step_count // self.eval_every
             if losses:
                 mean = sum(losses) / len(losses)
                 completed, total = len(losses), len(planned)
-                norm = await self.compute.submit(Priority.STEP, partial(self._step, completed, total))
+                norm = await self.compute.submit(Priority.STEP, partial(self._step, completed, total, tick))
                 self.last_loss = mean
                 emit(
                     "step",
@@ -117,10 +125,11 @@ class DataNode(Node):
                     paths=[list(p.stages) for p in planned],
                 )
                 await self.outer_step_if_due()
-                if self.optimizer.step_count % self.eval_every == 0:
+                if self.optimizer.step_count // self.eval_every > evaluations:
                     await self.evaluate()
             else:
                 await self.compute.submit(Priority.STEP, self.worker.discard_gradients)
+                await self.tick(self.iteration)
                 emit(
                     "iteration_failed",
                     iteration=self.iteration - 1,
@@ -133,8 +142,8 @@ class DataNode(Node):
     def _tokens_per_mb(self) -> int:
         return self.spec.batch_size * self.spec.seq_len
 
-    def _step(self, completed: int, planned: int) -> float:
-        norm = self.worker.step(planned / completed)  # losses were weighted 1/planned: rescale to the mean
+    def _step(self, completed: int, planned: int, tick: int) -> float:
+        norm = self.worker.step(planned / completed, tick)  # losses were weighted 1/planned: rescale
         self.outer.apply_pending()
         return norm
 

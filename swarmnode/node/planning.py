@@ -3,7 +3,11 @@
 Every data node plans the whole swarm's iteration with the same scheduler (deterministic for a seed) from
 its view of the DHT and takes its own microbatches: no round trip per microbatch, no planner to elect.
 Views that differ for a moment only cost some collisions. Stages with no online node are left out of the
-view, so paths skip past a lost stage while it is being rebuilt.
+view, so paths skip past a lost stage while it is being rebuilt. A run with skip ratio 0 keeps every path
+in stage order (the scheduler then only picks replicas); one that skips also lets SkipPipe reorder stages.
+CheckFree+ swaps are not the scheduler's choice: they are fixed by the iteration and the microbatch
+(`protocols.checkfree.swaps_edge_pairs`), so every data node and replica sees both orders evenly, whatever
+the timing.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from protocols.checkfree import swap_edge_pairs, swaps_edge_pairs
 from protocols.errors import LocalProtocolError
 from protocols.messages import NodeState
 from protocols.skippipe import PathRules, SwarmView, full_pipeline_plan, schedule
@@ -29,6 +34,12 @@ class Snapshot:
 
     def online(self, stage: int) -> list[str]:
         return [p.peer_id for p in self.stages.get(stage, ()) if p.record.state == NodeState.ONLINE]
+
+    def clock(self) -> int:
+        """The swarm clock as the records show it: the furthest step of an online data node."""
+        return max(
+            (p.record.step for p in self.stages.get(0, ()) if p.record.state == NodeState.ONLINE), default=0
+        )
 
     def without(self, peers: set[str]) -> Snapshot:
         """This view less `peers` (suspected dead since the records were read)."""
@@ -70,11 +81,14 @@ def plan_iteration(
             peers.append(peer)
             forward_s.append(_forward_seconds(snapshot.record(peer), tokens_per_microbatch))
     view = SwarmView.build(view_stages, forward_s, lambda a, b: LOOPBACK_LINK_S)
+    skipping = spec.skip_ratio > 0
     rules = PathRules(
         microbatches_per_data_node=spec.microbatches,
-        skip_ratio=spec.skip_ratio if len(alive) == spec.stages else 0.0,
+        skip_ratio=spec.skip_ratio if skipping and len(alive) == spec.stages else 0.0,
+        # a run that skips nothing keeps every path in stage order: SkipPipe's reorderings are part of
+        # opting in to its paths (they cost quality at small scale; see docs/design.md)
+        max_swaps=PathRules.max_swaps if skipping else 0,
         memory=spec.node_memory,
-        checkfree_plus_share=0.5 if spec.checkfree_plus and len(alive) >= 2 else 0.0,
     )
     try:
         plan = schedule(view, rules, seed=spec.seed * 1_000_003 + iteration, restarts=2, rounds=60)
@@ -92,6 +106,10 @@ def plan_iteration(
     planned = []
     for mb in ids:
         path = plan.paths[mb]
+        hops = path[1:-1]
+        if spec.checkfree_plus and swaps_edge_pairs(spec.stages, iteration, mb):
+            order = swap_edge_pairs(tuple(stage_ids[view.stage_of[node]] for node in hops), spec.stages)
+            path = (path[0], *(hops[i] for i in order), path[-1])
         planned.append(
             PlannedMicrobatch(
                 microbatch=mb - first,

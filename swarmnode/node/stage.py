@@ -45,6 +45,7 @@ class StageNode(Node):
         self._served: set[int] = set()  # stages this node has seen served (`--rebalance` moves only to those)
         self._origins_read_at = -math.inf
         self._origins_read: asyncio.Future[None] | None = None  # the DHT read forwards from new origins await
+        self._copies_at = 0  # the clock at the last refresh of the CheckFree+ copies
 
     async def start(self) -> None:
         await super().start()
@@ -97,6 +98,7 @@ class StageNode(Node):
             raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
         self._hops.take(key, message.path[: message.hop])
         self.spawn(self._forward(message, key, hidden), "forward")
+        await self.tick(message.iteration)
         return encode(Ack()), []
 
     async def _is_data_node(self, peer: str) -> bool:
@@ -195,6 +197,7 @@ class StageNode(Node):
     async def maybe_step(self) -> None:
         if self._stepping:
             return
+        await self.tick(self.snapshot.clock())
         now = time.monotonic()
         self.tracker.expire(now)
         # before any await: a microbatch taken meanwhile belongs to a group that is open, and its forward job,
@@ -206,20 +209,26 @@ class StageNode(Node):
             self.microbatches_lost += dropped
         decision = self.tracker.ready(self.worker.in_flight, now)
         if decision is None:
+            if self.outer.has_pending and not self.worker.in_flight and not self.tracker.open_groups:
+                # a replica that gets no microbatch for a while still takes its outer steps
+                await self.compute.submit(Priority.STEP, self.outer.apply_pending)
             return
         self._stepping = True
         try:
-            if decision.groups:
-                norm = await self.compute.submit(Priority.STEP, lambda: self._step(decision.groups))
+            if decision.iteration is not None:
+                at = decision.iteration
+                norm = await self.compute.submit(Priority.STEP, lambda: self._step(decision.groups, at))
                 if norm is not None and not math.isfinite(norm):
                     logger.warning("non-finite gradient norm: update skipped")
                 await self.outer_step_if_due()
-                if self.copy_parts and self.optimizer.step_count % self.spec.copy_refresh_steps == 0:
+                clock = self.optimizer.step_count
+                if self.copy_parts and clock >= self._copies_at + self.spec.copy_refresh_steps:
+                    self._copies_at = clock
                     self.spawn(self.refresh_copies(), "copies")
         finally:
             self._stepping = False
 
-    def _step(self, groups: int) -> float:
-        norm = self.worker.step(1.0 / groups)
+    def _step(self, groups: int, at: int) -> float:
+        norm = self.worker.step(1.0 / groups, at)
         self.outer.apply_pending()
         return norm

@@ -41,6 +41,7 @@ class _GroupState:
 class StepDecision:
     groups: int  # groups whose gradients are in `.grad` (the step averages over them)
     applied: int  # microbatches applied
+    iteration: int | None  # the latest iteration (swarm clock tick) among them; None if none applied
 
 
 class StepTracker:
@@ -106,9 +107,11 @@ class StepTracker:
         """A step decision if this node should step now (nothing held, every group complete), else None."""
         if held or not self._groups or not all(state.complete for state in self._groups.values()):
             return None
+        applied = [group for group, state in self._groups.items() if state.applied]
         decision = StepDecision(
-            groups=sum(1 for state in self._groups.values() if state.applied),
+            groups=len(applied),
             applied=sum(state.applied for state in self._groups.values()),
+            iteration=max((iteration for _, iteration in applied), default=None),
         )
         for group in self._groups:
             self._closed[group] = now

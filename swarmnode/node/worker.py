@@ -75,8 +75,8 @@ class StageWorker:
         held = self._held.get(key)
         return None if held is None else tuple(held.outputs.shape)
 
-    def step(self, grad_scale: float) -> float:
-        return self.optimizer.step(grad_scale)
+    def step(self, grad_scale: float, at: int | None = None) -> float:
+        return self.optimizer.step(grad_scale, at)
 
 
 class DataWorker:
@@ -122,8 +122,8 @@ class DataWorker:
         held = self._embedded.get(key)
         return None if held is None else tuple(held.outputs.shape)
 
-    def step(self, grad_scale: float = 1.0) -> float:
-        return self.optimizer.step(grad_scale)
+    def step(self, grad_scale: float = 1.0, at: int | None = None) -> float:
+        return self.optimizer.step(grad_scale, at)
 
     def discard_gradients(self) -> None:
         """An iteration in which no microbatch completed: drop its partial gradients."""

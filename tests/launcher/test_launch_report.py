@@ -18,6 +18,7 @@ from swarmnode.launcher.events import (
     Joining,
     MicrobatchLost,
     Online,
+    OuterStep,
     Recovered,
     Step,
     Validation,
@@ -47,6 +48,8 @@ def test_parse_event_reads_the_daemons_lines() -> None:
     assert parse_event(line("microbatch_lost", 5, step=7, count=3), 0) == MicrobatchLost(7, 3, START + 5)
     assert parse_event(line("microbatch_lost", 5, step=7), 0) == MicrobatchLost(7, 1, START + 5)
     assert parse_event('{"event": "step", "step": 1, "tokens": 8}', 42.0) == Step(1, None, 8, 42.0)
+    outer = line("outer_step", 6, stage=1, outer_step=3, paired=True, matched=True, partner="p", reason="")
+    assert parse_event(outer, 0) == OuterStep(1, 3, True, True, START + 6)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +67,7 @@ def test_parse_event_reads_the_daemons_lines() -> None:
         '{"event": "microbatch_lost", "step": 3, "count": -2}',
         '{"event": "recovered", "stage": 2, "method": "magic", "seconds": 1}',
         '{"event": "online", "stage": 1}',
+        '{"event": "outer_step", "stage": 1, "outer_step": 2, "paired": 1, "matched": true}',
     ],
 )
 def test_parse_event_ignores_everything_else(text: str) -> None:
@@ -87,6 +91,12 @@ def recorded_run() -> RunRecord:
     lines.append(line("recovered", 20.0, stage=2, method="checkfree", seconds=2.5))
     lines.append(line("recovered", 30.0, stage=1, method="replica", seconds=1.0))
     lines.append(line("recovered", 31.0, stage=2, method="checkfree", seconds=3.5))
+    for outer in (1, 2, 3, 4):  # two replicas of stage 1 pair three times of four; the data nodes never
+        for paired in (outer != 2, outer != 2):
+            lines.append(
+                line("outer_step", 10.0 * outer, stage=1, outer_step=outer, paired=paired, matched=True)
+            )
+        lines.append(line("outer_step", 10.0 * outer, stage=0, outer_step=outer, paired=False, matched=False))
     for text in sorted(lines, key=lambda text: json.loads(text)["time"]):
         event = parse_event(text, 0.0)
         assert event is not None
@@ -159,6 +169,10 @@ def test_report_json_and_plot(tmp_path: Path) -> None:
         "replica": {"count": 1, "mean_seconds": 1.0},
     }
     assert saved["microbatches_lost"] == 2
+    assert saved["noloco"] == {
+        "0": {"rounds": 4, "paired": 0, "alone": 4, "unmatched": 4, "paired_share": None},
+        "1": {"rounds": 8, "paired": 6, "alone": 2, "unmatched": 0, "paired_share": 0.75},
+    }
     assert saved["settings"] == settings and saved["nodes"] == nodes
     assert len(saved["loss_curve"]) == 40 and len(saved["val_curve"]) == 3
     assert not (tmp_path / "report.json.partial").exists()

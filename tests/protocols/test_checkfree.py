@@ -17,6 +17,8 @@ from protocols.checkfree import (
     plan_recoveries,
     plan_recovery,
     restore_embeddings,
+    swap_edge_pairs,
+    swaps_edge_pairs,
 )
 from protocols.errors import LocalProtocolError
 
@@ -242,3 +244,38 @@ def test_stage_out_of_range_is_rejected() -> None:
         plan_recovery(
             4, num_stages=3, alive={0}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=True
         )
+
+
+# ---- CheckFree+ swaps ----------------------------------------------------------------------------------
+
+
+def test_every_other_microbatch_swaps_alternating_between_iterations() -> None:
+    # one microbatch per iteration: it swaps every other iteration; two: one of them in every iteration
+    assert [swaps_edge_pairs(6, t, 0) for t in range(4)] == [False, True, False, True]
+    for t in range(4):
+        assert sum(swaps_edge_pairs(6, t, m) for m in range(2)) == 1
+    # over any two iterations every microbatch slot (so every data node) swaps exactly once
+    for m in range(5):
+        assert sum(swaps_edge_pairs(4, t, m) for t in (7, 8)) == 1
+
+
+def test_models_of_fewer_than_four_stages_never_swap() -> None:
+    assert not any(swaps_edge_pairs(s, t, m) for s in (1, 2, 3) for t in range(4) for m in range(4))
+    with pytest.raises(LocalProtocolError):
+        swaps_edge_pairs(6, -1, 0)
+
+
+@pytest.mark.parametrize(
+    ("stages", "expected"),
+    [
+        ((1, 2, 3, 4, 5, 6), (2, 1, 3, 4, 6, 5)),
+        ((1, 2, 4, 6), (2, 1, 4, 6)),  # a path that skips stage 5: only the first pair
+        ((1, 3, 5, 6), (1, 3, 6, 5)),  # a path that skips stage 2: only the last pair
+        ((2, 3, 4), (2, 3, 4)),
+    ],
+)
+def test_swap_edge_pairs_reorders_the_pairs_a_path_visits_in_a_row(
+    stages: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
+    order = swap_edge_pairs(stages, 6)
+    assert tuple(stages[i] for i in order) == expected

@@ -44,8 +44,23 @@ def test_config_rejects_bad_values(kwargs: dict) -> None:
 
 def test_due_every_h_steps() -> None:
     cfg = OuterConfig(inner_steps=3)
-    assert [s for s in range(10) if cfg.due(s)] == [3, 6, 9]
+    last, due = 0, []
+    for step in range(10):
+        outer = cfg.due(step, last)
+        if outer is not None:
+            due.append((step, outer))
+            last = outer
+    assert due == [(3, 1), (6, 2), (9, 3)]
     assert cfg.outer_step_of(6) == 2
+
+
+def test_due_when_the_clock_jumps_past_a_boundary() -> None:
+    # a replica that saw no microbatch for a while: its clock goes from 2 to 7 and outer step 2 is due
+    cfg = OuterConfig(inner_steps=3)
+    assert cfg.due(2, 0) is None
+    assert cfg.due(7, 0) == 2
+    assert cfg.due(7, 2) is None
+    assert cfg.due(9, 2) == 3
 
 
 def test_hand_computed_pair() -> None:
