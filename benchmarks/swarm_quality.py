@@ -1,0 +1,537 @@
+"""Swarm quality: validation loss of local swarms (D data nodes x R replicas per stage) against the trainer.
+
+For each configuration `DxR`, each CheckFree+ setting and each seed, one run of
+
+    python -m swarmnode up --calm --data-nodes D --replicas R --steps N --seed S --checkfree-plus ...
+
+(a real swarm of separate processes on loopback, no failures, one at a time) is read back from its
+`report.json`: the data nodes evaluate every 25 steps and at the last one (`val_curve`; each point is taken
+to the nearest multiple of 25, as a data node that catches up with the swarm clock may evaluate a step off,
+and averaged there over the data nodes), so the swarm's loss is its validation loss at data-node step N.
+
+The reference is the single-process trainer (`swarmnode.trainer.train`, same preset, stages and seed, its
+default validation batches, the same ones the data nodes evaluate), run in this process with one torch
+thread (a daemon's budget: two threads ran ten times slower on a busy 2-core machine). Its learning-rate
+schedule (warm-up, then cosine decay to the last step) depends on the run's length, so it trains once per
+length it is compared at, each a complete run like the swarm's own:
+
+- equal steps: N steps, compared with the swarm at step N;
+- equal tokens: a swarm with D data nodes trains on D times the tokens per step, so D x N steps.
+
+The summary has one row per configuration and CheckFree+ setting: the swarm's and the trainer's validation
+loss over the seeds (mean, min-max, standard deviation), the swarm over the trainer, the swarm over the
+1x1 swarm, over the Dx1 swarm (adding replicas should never make the loss worse by more than 2%: `!` marks
+the rows that do) and over the 1xR swarm (what adding data nodes does), all means of per-seed ratios; the
+share of NoLoCo pairing rounds that found a partner (when the report has a `noloco` block; over the stages
+with more than one node: stage 0 when D > 1, the others when R > 1), and the wall time. A second table
+gives CheckFree+ on over off per configuration. Runs that fail (any outcome but `completed`, or no
+validation loss at step N) are counted as such and left out of the figures; their output folders are kept.
+
+    python benchmarks/swarm_quality.py                    # 1x1, 2x1, 1x2, 2x2, 2x3; CheckFree+ on and off
+    python benchmarks/swarm_quality.py --configs 1x1,2x2 --seeds 0 --checkfree-plus on --steps 50 \\
+        --json out.json --plot quality.png --markdown quality.md
+
+How long it takes, on two cores: each swarm run of 100 steps takes about 80-100 s, so the default matrix
+(5 configurations x 2 CheckFree+ settings x 3 seeds = 30 runs) takes about 45-50 minutes; the trainer's
+runs (N and 2N steps of 1,024 tokens per seed for the default: 900 steps at 1,000-2,000 tokens/s on one
+thread) add 8-15 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from tempfile import mkdtemp
+from typing import Any
+
+import torch
+
+from swarmnode.data import Corpus, load_corpus
+from swarmnode.model import stage_layers
+from swarmnode.presets import get_preset
+from swarmnode.trainer import Progress, TrainConfig, train
+
+EVAL_EVERY = 25  # the data nodes' evaluation period (`swarmnode.node.driver.DataNode`)
+SECONDS_PER_STEP = 20  # `up --timeout`: generous, a calm run of the tiny preset needs about 1 s a step
+GRACE_S = 180.0  # beyond `up --timeout` before the benchmark stops `up` itself
+STOP_S = 60.0  # after SIGINT, before SIGKILL
+REPLICA_TOLERANCE = 1.02  # adding replicas should never make the validation loss worse than this ratio
+DEFAULT_CONFIGS = "1x1,2x1,1x2,2x2,2x3"
+
+Curve = dict[int, float]  # data-node step -> validation loss
+
+
+@dataclass(frozen=True)
+class SwarmShape:
+    """D data nodes and R replicas per transformer stage."""
+
+    data_nodes: int
+    replicas: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.data_nodes}x{self.replicas}"
+
+
+def parse_shape(text: str) -> SwarmShape:
+    """`DxR` with D, R >= 1; ValueError otherwise."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise ValueError(f"configuration {text!r} is not DxR with D, R >= 1 (for example 2x3)")
+    return SwarmShape(int(parts[0]), int(parts[1]))
+
+
+def label(checkfree_plus: bool) -> str:
+    return "on" if checkfree_plus else "off"
+
+
+def curve_points(curve: Curve) -> list[dict[str, float]]:
+    return [{"step": step, "val_loss": loss} for step, loss in curve.items()]
+
+
+def trainer_curve(preset: str, stages: int, steps: int, seed: int, corpus: Corpus) -> Curve:
+    """Validation loss of a `steps`-step single-process run: before training and every EVAL_EVERY steps."""
+    curve: Curve = {}
+
+    def progress(p: Progress) -> None:
+        if p.val_loss is not None:
+            curve[p.step] = p.val_loss
+
+    config = TrainConfig(preset=preset, stages=stages, steps=steps, seed=seed, eval_every=EVAL_EVERY)
+    result = train(config, progress, corpus=corpus)
+    return {0: result.initial_val_loss, **curve}
+
+
+def mean_per_step(points: list[dict[str, Any]]) -> Curve:
+    """A report's `val_curve` on the evaluation grid: each point at the nearest multiple of EVAL_EVERY, the
+    mean of the points there. A data node that catches up with the swarm clock skips steps, so it may
+    evaluate a step or two off the grid (at 26 rather than 25, or finish at 99 of 100)."""
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for point in points:
+        by_step[EVAL_EVERY * round(int(point["step"]) / EVAL_EVERY)].append(float(point["val_loss"]))
+    return {step: statistics.fmean(losses) for step, losses in sorted(by_step.items())}
+
+
+def run_up(command: list[str], log: Path, timeout: float) -> int | None:
+    """Run `up` with its output in `log`; its exit status, or None if it had to be stopped."""
+    with log.open("w") as output, subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT) as up:
+        try:
+            return up.wait(timeout)
+        except subprocess.TimeoutExpired:
+            up.send_signal(signal.SIGINT)  # `up` ends its nodes and writes its report
+            try:
+                up.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+            return None
+
+
+def read_report(path: Path) -> dict[str, Any] | None:
+    try:
+        report: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report
+
+
+def swarm_run(
+    shape: SwarmShape, seed: int, checkfree_plus: bool, args: argparse.Namespace, stages: int, base: Path
+) -> dict[str, Any]:
+    """One calm local swarm; the figures of its report (or why there are none)."""
+    out = base / f"{shape.name}-cfp-{label(checkfree_plus)}-seed{seed}"
+    log = base / f"{out.name}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "swarmnode",
+        "up",
+        "--calm",
+        "--data-nodes",
+        str(shape.data_nodes),
+        "--replicas",
+        str(shape.replicas),
+        "--steps",
+        str(args.steps),
+        "--seed",
+        str(seed),
+        "--checkfree-plus" if checkfree_plus else "--no-checkfree-plus",
+        "--stages",
+        str(stages),
+        "--preset",
+        args.preset,
+        "--run-id",
+        f"quality{uuid.uuid4().hex[:8]}",
+        "--timeout",
+        str(SECONDS_PER_STEP * args.steps),
+        "--out",
+        str(out),
+    ]
+    started = time.monotonic()
+    returncode = run_up(command, log, SECONDS_PER_STEP * args.steps + GRACE_S)
+    seconds = time.monotonic() - started
+    report = read_report(out / "report.json")
+    curve = mean_per_step(report.get("val_curve") or []) if report else {}
+    outcome = report["outcome"] if report else "no report"
+    if returncode is None:
+        outcome = f"{outcome} (stopped after {seconds:.0f} s)"
+    ok = outcome == "completed" and args.steps in curve
+    if not args.keep and ok:
+        shutil.rmtree(out, ignore_errors=True)
+        log.unlink(missing_ok=True)
+    return {
+        "config": shape.name,
+        "data_nodes": shape.data_nodes,
+        "replicas": shape.replicas,
+        "seed": seed,
+        "checkfree_plus": checkfree_plus,
+        "outcome": outcome,
+        "returncode": returncode,
+        "ok": ok,
+        "val_at_steps": curve.get(args.steps),
+        "val_loss": report.get("val_loss") if report else None,
+        "val_curve": curve_points(curve),
+        "report_val_curve": report.get("val_curve") if report else None,
+        "noloco": report.get("noloco") if report else None,
+        "wall_seconds": report.get("wall_seconds") if report else None,
+        "process_seconds": round(seconds, 1),
+        "tokens_per_second": report.get("tokens_per_second") if report else None,
+        "output": str(out) if out.exists() else None,
+    }
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """Mean, min, max and (with two values or more) the sample standard deviation."""
+    if not values:
+        return None
+    return {
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+    }
+
+
+def paired_ratio(runs: list[dict[str, Any]], reference: dict[int, float]) -> float | None:
+    """Mean over the seeds both have of the run's loss over the reference's."""
+    ratios = [r["val_at_steps"] / reference[r["seed"]] for r in runs if r["seed"] in reference]
+    return statistics.fmean(ratios) if ratios else None
+
+
+def losses_by_seed(runs: list[dict[str, Any]], shape: SwarmShape, checkfree_plus: bool) -> dict[int, float]:
+    return {
+        r["seed"]: r["val_at_steps"]
+        for r in runs
+        if r["ok"] and r["config"] == shape.name and r["checkfree_plus"] == checkfree_plus
+    }
+
+
+def paired_share(runs: list[dict[str, Any]], shape: SwarmShape) -> dict[str, int] | None:
+    """NoLoCo pairing rounds and the paired ones, summed over the runs and the stages with more than one
+    node (stage 0: D data nodes, the others R replicas); None where no report has them or no stage does."""
+    counts = [
+        counts
+        for r in runs
+        if r["noloco"]
+        for stage, counts in r["noloco"].items()
+        if (shape.data_nodes if stage == "0" else shape.replicas) > 1
+    ]
+    if not counts:
+        return None
+    return {"rounds": sum(int(c["rounds"]) for c in counts), "paired": sum(int(c["paired"]) for c in counts)}
+
+
+def summarise(
+    runs: list[dict[str, Any]],
+    shapes: list[SwarmShape],
+    settings: list[bool],
+    seeds: list[int],
+    trainer: dict[int, dict[int, Curve]],
+    steps: int,
+) -> list[dict[str, Any]]:
+    """One row per configuration and CheckFree+ setting."""
+    at_steps = {seed: trainer[steps][seed][steps] for seed in seeds}
+    rows = []
+    for checkfree_plus in settings:
+        for shape in shapes:
+            mine = [r for r in runs if r["config"] == shape.name and r["checkfree_plus"] == checkfree_plus]
+            ok = [r for r in mine if r["ok"]]
+            tokens = shape.data_nodes * steps
+            at_tokens = {seed: trainer[tokens][seed][tokens] for seed in seeds}
+            by_dx1 = losses_by_seed(runs, SwarmShape(shape.data_nodes, 1), checkfree_plus)
+            by_1xr = losses_by_seed(runs, SwarmShape(1, shape.replicas), checkfree_plus)
+            vs_dx1 = paired_ratio(ok, by_dx1) if shape.replicas > 1 else None
+            walls = [r["wall_seconds"] for r in ok if r["wall_seconds"] is not None]
+            rows.append(
+                {
+                    "config": shape.name,
+                    "checkfree_plus": checkfree_plus,
+                    "runs": len(mine),
+                    "completed": len(ok),
+                    "swarm": spread([r["val_at_steps"] for r in ok]),
+                    "trainer_equal_steps": spread(list(at_steps.values())),
+                    "trainer_equal_tokens": spread(list(at_tokens.values())),
+                    "vs_trainer_equal_steps": paired_ratio(ok, at_steps),
+                    "vs_trainer_equal_tokens": paired_ratio(ok, at_tokens),
+                    "vs_1x1": paired_ratio(ok, losses_by_seed(runs, SwarmShape(1, 1), checkfree_plus)),
+                    "vs_dx1": vs_dx1,
+                    "vs_1xr": paired_ratio(ok, by_1xr) if shape.data_nodes > 1 else None,
+                    "replicas_worse": vs_dx1 is not None and vs_dx1 > REPLICA_TOLERANCE,
+                    "noloco": paired_share(ok, shape),
+                    "wall_seconds": statistics.fmean(walls) if walls else None,
+                }
+            )
+    return rows
+
+
+def on_off(runs: list[dict[str, Any]], shapes: list[SwarmShape]) -> list[dict[str, Any]]:
+    """Per configuration: CheckFree+ on over off (mean over the seeds where both completed)."""
+    rows = []
+    for shape in shapes:
+        on = losses_by_seed(runs, shape, True)
+        off = losses_by_seed(runs, shape, False)
+        ratios = [on[seed] / off[seed] for seed in on if seed in off]
+        rows.append(
+            {
+                "config": shape.name,
+                "on": spread(list(on.values())),
+                "off": spread(list(off.values())),
+                "seeds": len(ratios),
+                "on_over_off": statistics.fmean(ratios) if ratios else None,
+            }
+        )
+    return rows
+
+
+def loss_cell(stats: dict[str, float] | None) -> str:
+    if stats is None:
+        return "-"
+    return f"{stats['mean']:.3f} ({stats['min']:.3f}-{stats['max']:.3f}, sd {stats['sd']:.3f})"
+
+
+def ratio_cell(ratio: float | None, flag: bool = False) -> str:
+    return "-" if ratio is None else f"{ratio:.3f}{' !' if flag else ''}"
+
+
+def markdown(header: list[str], lines: list[list[str]]) -> str:
+    rows = [header, ["---"] * len(header), *lines]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def summary_table(rows: list[dict[str, Any]], steps: int) -> str:
+    header = [
+        "config",
+        "CF+",
+        "completed",
+        f"swarm val @{steps}: mean (min-max, sd)",
+        f"trainer @{steps} (equal steps)",
+        "trainer @D x steps (equal tokens)",
+        "swarm / trainer, equal steps",
+        "swarm / trainer, equal tokens",
+        "vs 1x1",
+        "vs Dx1 (replicas)",
+        "vs 1xR (data nodes)",
+        "NoLoCo paired",
+        "wall s",
+    ]
+    lines = []
+    for r in rows:
+        noloco = r["noloco"]
+        if noloco is None or noloco["rounds"] == 0:
+            paired = "-"
+        else:
+            paired = f"{noloco['paired'] / noloco['rounds']:.0%} of {noloco['rounds']}"
+        lines.append(
+            [
+                r["config"],
+                label(r["checkfree_plus"]),
+                f"{r['completed']}/{r['runs']}",
+                loss_cell(r["swarm"]),
+                loss_cell(r["trainer_equal_steps"]),
+                loss_cell(r["trainer_equal_tokens"]),
+                ratio_cell(r["vs_trainer_equal_steps"]),
+                ratio_cell(r["vs_trainer_equal_tokens"]),
+                ratio_cell(r["vs_1x1"]),
+                ratio_cell(r["vs_dx1"], r["replicas_worse"]),
+                ratio_cell(r["vs_1xr"]),
+                paired,
+                "-" if r["wall_seconds"] is None else f"{r['wall_seconds']:.0f}",
+            ]
+        )
+    return markdown(header, lines)
+
+
+def on_off_table(rows: list[dict[str, Any]]) -> str:
+    header = ["config", "CF+ on", "CF+ off", "on / off", "seeds"]
+    lines = [
+        [r["config"], loss_cell(r["on"]), loss_cell(r["off"]), ratio_cell(r["on_over_off"]), str(r["seeds"])]
+        for r in rows
+    ]
+    return markdown(header, lines)
+
+
+def plot(
+    path: Path,
+    runs: list[dict[str, Any]],
+    shapes: list[SwarmShape],
+    settings: list[bool],
+    reference: dict[int, Curve],
+    steps: int,
+) -> None:
+    """Validation loss against data-node step: a panel per CheckFree+ setting, a line per configuration
+    (mean over the seeds, min-max band), the trainer's `steps`-step runs as a black dashed line."""
+    from matplotlib.figure import Figure  # renders PNG with Agg, whatever the default backend
+
+    figure = Figure(figsize=(6 * len(settings), 4.5), layout="constrained")
+    panels = figure.subplots(1, len(settings), sharey=True, squeeze=False)[0]
+    trainer_steps = sorted(set.intersection(*(set(curve) for curve in reference.values())))
+    trainer_mean = [statistics.fmean(curve[s] for curve in reference.values()) for s in trainer_steps]
+    for axes, checkfree_plus in zip(panels, settings, strict=True):
+        for shape in shapes:
+            by_step: dict[int, list[float]] = defaultdict(list)
+            for r in runs:
+                if r["ok"] and r["config"] == shape.name and r["checkfree_plus"] == checkfree_plus:
+                    for point in r["val_curve"]:
+                        by_step[point["step"]].append(point["val_loss"])
+            if not by_step:
+                continue
+            xs = sorted(by_step)
+            (line,) = axes.plot(xs, [statistics.fmean(by_step[x]) for x in xs], "o-", label=shape.name)
+            lows, highs = [min(by_step[x]) for x in xs], [max(by_step[x]) for x in xs]
+            axes.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2)
+        axes.plot(trainer_steps, trainer_mean, "k--", label=f"single process ({steps} steps)")
+        axes.set_title(f"CheckFree+ {label(checkfree_plus)}")
+        axes.set_xlabel("data-node step")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
+    panels[0].set_ylabel("validation loss")
+    figure.savefig(path, dpi=100)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="DxR list, comma separated")
+    parser.add_argument("--seeds", default="0,1,2", help="comma separated")
+    parser.add_argument("--steps", type=int, default=100, help=f"data-node steps, a multiple of {EVAL_EVERY}")
+    parser.add_argument("--stages", type=int, default=None, help="transformer stages (default: the preset's)")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--checkfree-plus", choices=("on", "off", "both"), default="both")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where the swarms' outputs go (default: a new temporary folder)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep every swarm's output (not only failed ones)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
+    parser.add_argument("--plot", type=Path, default=None, help="also plot the validation curves to this PNG")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    args = parser.parse_args()
+    try:
+        args.shapes = list(dict.fromkeys(parse_shape(text) for text in args.configs.split(",")))
+        args.seed_list = list(dict.fromkeys(int(seed) for seed in args.seeds.split(",")))
+        preset = get_preset(args.preset)
+        args.n_stages = preset.n_stages if args.stages is None else args.stages
+        stage_layers(preset.model, 1, args.n_stages)  # raises unless the layers split evenly
+    except ValueError as error:
+        parser.error(str(error))
+    if args.steps < EVAL_EVERY or args.steps % EVAL_EVERY:
+        parser.error(
+            f"--steps must be a positive multiple of {EVAL_EVERY}, the data nodes' evaluation period"
+        )
+    args.settings = {"on": [True], "off": [False], "both": [True, False]}[args.checkfree_plus]
+    if args.out_dir is not None:
+        taken = sorted(path.name for path in args.out_dir.glob("*-cfp-*-seed*"))
+        if taken:
+            parser.error(f"--out-dir {args.out_dir} already holds swarm outputs ({taken[0]}, ...)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    steps, seeds, shapes = args.steps, args.seed_list, args.shapes
+    corpus = load_corpus(None, None, get_preset(args.preset).vocab_size)
+
+    lengths = sorted({steps} | {shape.data_nodes * steps for shape in shapes})
+    torch.set_num_threads(1)  # a daemon's budget; two threads on a busy 2-core machine ran 10x slower
+    trainer: dict[int, dict[int, Curve]] = {length: {} for length in lengths}
+    for length in lengths:
+        for seed in seeds:
+            started = time.monotonic()
+            trainer[length][seed] = trainer_curve(args.preset, args.n_stages, length, seed, corpus)
+            print(
+                f"# trainer {length} steps, seed {seed}: validation {trainer[length][seed][length]:.3f} "
+                f"in {time.monotonic() - started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    base = args.out_dir if args.out_dir is not None else Path(mkdtemp(prefix="swarm-quality-"))
+    base.mkdir(parents=True, exist_ok=True)
+    plan = [(shape, cfp, seed) for cfp in args.settings for shape in shapes for seed in seeds]
+    runs = []
+    for n, (shape, checkfree_plus, seed) in enumerate(plan, 1):
+        run = swarm_run(shape, seed, checkfree_plus, args, args.n_stages, base)
+        runs.append(run)
+        val = "-" if run["val_at_steps"] is None else f"{run['val_at_steps']:.3f}"
+        print(
+            f"# run {n}/{len(plan)}: {shape.name} CheckFree+ {label(checkfree_plus)} seed {seed}: "
+            f"{run['outcome']}, validation {val}, {run['process_seconds']:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    if args.out_dir is None and not args.keep and not any(base.iterdir()):
+        base.rmdir()
+    else:
+        print(f"# swarm outputs in {base}", file=sys.stderr)
+
+    rows = summarise(runs, shapes, args.settings, seeds, trainer, steps)
+    tables = [
+        f"Validation loss at data-node step {steps} ({args.preset}, {args.n_stages} stages, seeds "
+        f"{args.seeds}); ratios are means of per-seed ratios; `!`: replicas worse by more than "
+        f"{REPLICA_TOLERANCE - 1:.0%}\n\n{summary_table(rows, steps)}"
+    ]
+    cfp_rows = on_off(runs, shapes) if len(args.settings) == 2 else []
+    if cfp_rows:
+        tables.append(f"CheckFree+ on over off, validation loss at step {steps}\n\n{on_off_table(cfp_rows)}")
+    print("\n\n".join(tables))
+    if args.markdown is not None:
+        args.markdown.write_text("\n\n".join(tables) + "\n")
+    if args.plot is not None:
+        plot(args.plot, runs, shapes, args.settings, trainer[steps], steps)
+    if args.json is not None:
+        results = {
+            "settings": {
+                "preset": args.preset,
+                "stages": args.n_stages,
+                "steps": steps,
+                "seeds": seeds,
+                "configs": [shape.name for shape in shapes],
+                "checkfree_plus": [label(cfp) for cfp in args.settings],
+            },
+            "trainer": [
+                {"steps": length, "seed": seed, "val_curve": curve_points(curve)}
+                for length, by_seed in trainer.items()
+                for seed, curve in by_seed.items()
+            ],
+            "runs": runs,
+            "summary": rows,
+            "checkfree_plus_on_over_off": cfp_rows,
+        }
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
