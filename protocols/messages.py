@@ -10,8 +10,10 @@ tensors themselves travel beside them, serialised by the transport, in manifest 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import ClassVar, TypeVar
 
 import msgpack
@@ -94,6 +96,17 @@ class StatePart(StrEnum):
     OPTIMIZER = "optimizer"
     EMBEDDING_COPY = "embedding_copy"  # stage 1's copy of E
     HEAD_COPY = "head_copy"  # stage s's copy of E'
+
+
+class Decline(StrEnum):
+    """Why a NoLoCo partner declined an averaging request."""
+
+    NOT_REACHED = "not_reached"  # it has not started that outer step yet: ask again until the deadline
+    OTHER_OUTER_STEP = "other_outer_step"  # it is at another outer step
+    FINISHED = "finished"  # its round for that outer step is over
+    NOT_PARTNER = "not_partner"  # the sender is not its partner in this outer step's matching
+    INITIATOR = "initiator"  # it initiates this pair's exchange itself
+    MALFORMED = "malformed"  # the request's tensors do not match its manifests
 
 
 class ErrorCode(StrEnum):
@@ -254,10 +267,13 @@ class AveragingReply(Message):
     reason: str = field(default="", metadata=checked(text(MAX_TEXT)))
     phi: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
     theta: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+    decline: Decline | None = field(default=None, metadata=checked(optional(choice(Decline))))
 
     def _check(self) -> None:
         if self.accept and (not self.phi or not _same_layout(self.phi, self.theta)):
             raise LocalProtocolError("phi and theta: an accepting reply needs the same non-empty layout")
+        if self.accept == (self.decline is not None):
+            raise LocalProtocolError("decline: a declining reply says why, an accepting one does not")
         if not self.accept and (self.phi or self.theta):
             raise LocalProtocolError("phi and theta: a declining reply carries no tensors")
 
@@ -267,7 +283,14 @@ class Ack(Message):
     """Success with nothing else to say."""
 
     KIND: ClassVar[str] = "ack"
-    detail: str = field(default="", metadata=checked(text(MAX_TEXT)))
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    """The answer to a ping: alive, and serving `stage` (a node that moved keeps its peer id)."""
+
+    KIND: ClassVar[str] = "pong"
+    stage: int = field(metadata=checked(_STAGE))
 
 
 @dataclass(frozen=True)
@@ -304,7 +327,38 @@ class NodeRecord(Message):
     recovery_seconds: float | None = field(default=None, metadata=checked(optional(number(0.0))))
 
 
+class Rpc(StrEnum):
+    """The methods every daemon serves; `REQUESTS` names the message each request carries."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    ABORT = "abort"
+    ROUTE = "route"
+    AVERAGE = "average"
+    STATE = "state"
+    PING = "ping"
+    HELLO = "hello"
+
+
+REQUESTS: Mapping[Rpc, type[Message] | None] = MappingProxyType(
+    {
+        Rpc.FORWARD: Forward,
+        Rpc.BACKWARD: Backward,
+        Rpc.ABORT: Abort,
+        Rpc.ROUTE: Route,
+        Rpc.AVERAGE: AveragingRequest,
+        Rpc.STATE: StateRequest,
+        Rpc.PING: None,  # no message: the reply is a `Pong`
+        Rpc.HELLO: None,  # no message: a node that just came online says so
+    }
+)
+
 M = TypeVar("M", bound=Message)
+
+
+def bounded(text: str) -> str:
+    """`text` cut to the longest string a message field may carry (reasons from exceptions can be long)."""
+    return text[:MAX_TEXT]
 
 
 def encode(message: Message) -> bytes:

@@ -33,6 +33,7 @@ from protocols._tensormap import (
     layout_mismatch,
 )
 from protocols.errors import LocalProtocolError
+from protocols.messages import Decline
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ class PairingRound:
     """One replica's side of the pairing for one outer step, like h11's Connection: events in, no I/O.
 
     The caller owns the network and the clock. If `initiator`, it sends its phi and theta to `partner`;
-    otherwise it waits for the partner's request and asks `decline_reason` before replying with its own
+    otherwise it waits for the partner's request and asks `decline` before replying with its own
     (pre-step) phi and theta. Either way it hands the partner's tensors to `deliver`, reports transport
     failures and declines to `fail`, and calls `tick` with the time so a silent partner times out. Once
     `outcome` is set it never changes. A request for an outer step this node has not reached yet may be
@@ -231,16 +232,21 @@ class PairingRound:
     def phase(self) -> Phase:
         return Phase.WAITING if self.outcome is None else self.outcome.phase
 
-    def decline_reason(self, sender: str, outer_step: int) -> str | None:
-        """None to accept an averaging request from `sender`, else why to decline it."""
+    def decline(self, sender: str, outer_step: int) -> tuple[Decline, str] | None:
+        """None to accept an averaging request from `sender`, else why to decline it (and in words)."""
+        if outer_step > self.outer_step:
+            return Decline.NOT_REACHED, f"outer step {outer_step} not reached, at {self.outer_step}"
         if outer_step != self.outer_step:
-            return f"request for outer step {outer_step}, this node is at outer step {self.outer_step}"
+            return (
+                Decline.OTHER_OUTER_STEP,
+                f"request for outer step {outer_step}, this node is at outer step {self.outer_step}",
+            )
         if self.outcome is not None:
-            return f"outer step {self.outer_step} already finished ({self.outcome.phase})"
+            return Decline.FINISHED, f"outer step {self.outer_step} already finished ({self.outcome.phase})"
         if sender != self.partner:
-            return f"{sender} is not this node's partner in outer step {self.outer_step}"
+            return Decline.NOT_PARTNER, f"{sender} is not this node's partner in outer step {self.outer_step}"
         if self.initiator:
-            return f"{self.me} initiates this pair's exchange; {sender} should wait for it"
+            return Decline.INITIATOR, f"{self.me} initiates this pair's exchange; {sender} should wait for it"
         return None
 
     def deliver(self, sender: str, phi: TensorMap, theta: TensorMap, own_phi: TensorMap) -> Outcome:

@@ -15,7 +15,6 @@ from hivemind.utils import MSGPackSerializer
 
 from protocols.messages import NodeRecord, NodeState, StatePart, encode
 from swarmnode.model import ModelConfig, build_stage
-from swarmnode.node.hops import HopBook
 from swarmnode.node.planning import Snapshot, plan_iteration
 from swarmnode.node.run import choose_stage, leaves_claim
 from swarmnode.node.state import (
@@ -26,7 +25,6 @@ from swarmnode.node.state import (
     optimizer_state,
     weights,
 )
-from swarmnode.node.tracker import StepTracker
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.records import PeerRecord, SwarmRecordValidator, owned_subkey, peer_of_subkey, stage_key
 from swarmnode.runspec import RunSpec, RunSpecError
@@ -42,30 +40,7 @@ def peers(stage: int, *names: str, **kwargs: float) -> list[PeerRecord]:
     return [PeerRecord(name, record(stage, **kwargs), 1e12) for name in names]  # type: ignore[arg-type]
 
 
-# ---- step bookkeeping ----------------------------------------------------------------------------------
-
-
-def test_tracker_steps_only_when_every_planned_microbatch_finished() -> None:
-    tracker = StepTracker(expiry_s=30.0)
-    assert tracker.on_forward(("d", 0, 0), expected=2, now=0.0)
-    assert tracker.ready(held=1, now=0.1) is None
-    tracker.on_finished(("d", 0, 0), applied=True, now=0.0)
-    assert tracker.ready(held=0, now=0.2) is None  # the second planned microbatch has not arrived
-    assert tracker.on_forward(("d", 0, 1), expected=2, now=0.3)
-    tracker.on_finished(("d", 0, 1), applied=False, now=0.0)  # aborted
-    decision = tracker.ready(held=0, now=0.4)
-    assert decision is not None and decision.groups == 1 and decision.applied == 1
-
-
-def test_tracker_decision_names_the_latest_iteration_applied() -> None:
-    tracker = StepTracker(expiry_s=30.0)
-    for key in (("d", 4, 0), ("e", 5, 0), ("f", 6, 0)):
-        assert tracker.on_forward(key, expected=1, now=0.0)
-    tracker.on_finished(("d", 4, 0), applied=True, now=0.0)
-    tracker.on_finished(("e", 5, 0), applied=True, now=0.0)
-    tracker.on_finished(("f", 6, 0), applied=False, now=0.0)  # aborted: its tick holds no gradient
-    decision = tracker.ready(held=0, now=0.1)
-    assert decision is not None and (decision.groups, decision.iteration) == (2, 5)
+# ---- the schedule -------------------------------------------------------------------------------------
 
 
 def test_the_schedule_follows_the_swarm_clock() -> None:
@@ -81,84 +56,6 @@ def test_the_schedule_follows_the_swarm_clock() -> None:
     module(torch.ones(1, 2)).sum().backward()
     optimizer.step()  # the single process: one tick per step
     assert optimizer.step_count == 11 and optimizer.updates == 2
-
-
-def test_tracker_ignores_duplicates_and_late_messages() -> None:
-    tracker = StepTracker(expiry_s=30.0)
-    assert tracker.on_forward(("d", 0, 0), expected=1, now=0.0)
-    assert not tracker.on_forward(("d", 0, 0), expected=1, now=0.0)  # duplicate
-    tracker.on_finished(("d", 0, 0), applied=True, now=0.0)
-    tracker.on_finished(("d", 0, 0), applied=True, now=0.0)  # never counted twice
-    decision = tracker.ready(held=0, now=1.0)
-    assert decision is not None and decision.applied == 1
-    assert not tracker.on_forward(("d", 0, 5), expected=1, now=2.0)  # the group is closed
-
-
-def test_tracker_expires_groups_that_never_complete() -> None:
-    tracker = StepTracker(expiry_s=5.0)
-    tracker.on_forward(("d", 3, 0), expected=2, now=0.0)
-    tracker.on_finished(("d", 3, 0), applied=True, now=0.0)
-    assert tracker.expire(now=4.0) == []
-    assert tracker.expire(now=6.0) == [("d", 3)]
-    decision = tracker.ready(held=0, now=6.0)
-    assert decision is not None and decision.groups == 1
-
-
-def test_tracker_counts_groups_of_several_data_nodes() -> None:
-    tracker = StepTracker(expiry_s=30.0)
-    for origin in ("a", "b"):
-        tracker.on_forward((origin, 0, 0), expected=1, now=0.0)
-        tracker.on_finished((origin, 0, 0), applied=True, now=0.0)
-    decision = tracker.ready(held=0, now=1.0)
-    assert decision is not None and decision.groups == 2
-
-
-def test_tracker_remembers_an_abort_that_arrives_before_its_group() -> None:
-    tracker = StepTracker(expiry_s=5.0)
-    tracker.on_finished(("d", 0, 1), applied=False, now=0.0)  # microbatch 1 died upstream, before reaching us
-    assert tracker.ready(held=0, now=0.1) is None  # an abort alone is no group to step for
-    assert tracker.on_forward(("d", 0, 0), expected=2, now=0.2)
-    assert not tracker.on_forward(("d", 0, 1), expected=2, now=0.3)  # an aborted microbatch is refused
-    tracker.on_finished(("d", 0, 0), applied=True, now=0.4)
-    decision = tracker.ready(held=0, now=0.5)  # no waiting for the microbatch that will never come
-    assert decision is not None and decision.applied == 1
-    # an early abort older than the expiry is forgotten; one for a closed group is ignored
-    tracker.on_finished(("d", 1, 0), applied=False, now=1.0)
-    tracker.on_finished(("d", 2, 0), applied=False, now=7.0)
-    tracker.on_finished(("d", 0, 1), applied=False, now=7.0)
-    assert tracker.on_forward(("d", 1, 1), expected=2, now=7.1)
-    tracker.on_finished(("d", 1, 1), applied=True, now=7.2)
-    assert tracker.ready(held=0, now=7.3) is None
-
-
-def test_tracker_waits_for_every_microbatch_it_holds_even_when_aborts_fill_the_count() -> None:
-    tracker = StepTracker(expiry_s=30.0)
-    assert tracker.on_forward(("d", 0, 0), expected=2, now=0.0)  # planned: mb0 and mb1
-    assert tracker.on_forward(("d", 0, 2), expected=2, now=0.1)  # mb2 re-routed here
-    tracker.on_finished(("d", 0, 1), applied=False, now=0.2)  # mb1 died upstream
-    tracker.on_finished(("d", 0, 2), applied=True, now=0.3)
-    assert tracker.open_groups == {("d", 0)}  # mb0 is still held: its backward must find it
-    assert tracker.ready(held=0, now=0.4) is None
-    tracker.on_finished(("d", 0, 0), applied=True, now=0.5)
-    decision = tracker.ready(held=0, now=0.6)
-    assert decision is not None and decision.applied == 2
-
-
-def test_only_a_peer_a_microbatch_was_sent_to_may_return_its_gradient() -> None:
-    book, key = HopBook(), ("data", 4, 1)
-    tries = book.take(key, ("data", "s1"))
-    tries |= {"s3-dead", "s3-alive"}  # the router tried a dead replica, then re-routed
-    assert book.may_send_gradient(key, "s3-alive") and book.may_send_gradient(key, "s3-dead")
-    assert not book.may_send_gradient(key, "mallory")  # whatever path mallory's message claims
-    assert not book.may_send_gradient(("data", 4, 2), "s3-alive")  # not taken
-    assert all(book.may_abort(key, p) for p in ("data", "s1", "s3-alive"))
-    assert not book.may_abort(key, "mallory")
-    assert book.may_abort(("data", 9, 0), "anyone")  # not taken here: the tracker bounds what it does
-    book.take(("data", 5, 0), ("data",))
-    book.forget_groups_except({("data", 5)})
-    assert key not in book and book.tries(key) is None and len(book) == 1
-    book.forget(("data", 5, 0))
-    assert len(book) == 0
 
 
 # ---- planning from records ------------------------------------------------------------------------------

@@ -19,7 +19,16 @@ from hivemind.p2p import PeerID
 from torch import Tensor, nn
 
 from protocols.errors import ProtocolError
-from protocols.messages import AveragingReply, AveragingRequest, TensorSpec, decode, encode
+from protocols.messages import (
+    AveragingReply,
+    AveragingRequest,
+    Decline,
+    Rpc,
+    TensorSpec,
+    bounded,
+    decode,
+    encode,
+)
 from protocols.noloco import OuterConfig, OuterResult, PairingRound, Phase, noloco_outer_step, pairing_seed
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
@@ -159,7 +168,7 @@ class OuterLoop:
                 return
             try:
                 meta, received = await self.transport.call(
-                    PeerID.from_base58(rnd.partner), "average", encode(request), tensors, timeout=remaining
+                    PeerID.from_base58(rnd.partner), Rpc.AVERAGE, encode(request), tensors, timeout=remaining
                 )
                 reply = decode(meta, AveragingReply)
             except (TransportError, ProtocolError) as error:
@@ -168,7 +177,7 @@ class OuterLoop:
             if reply.accept:
                 phi, theta = _split(reply.phi, received)
                 rnd.deliver(rnd.partner, phi, theta, self.phi)
-            elif reply.reason.startswith("not reached"):
+            elif reply.decline is Decline.NOT_REACHED:
                 await asyncio.sleep(min(0.25, max(0.0, rnd.deadline - clock())))
             else:
                 rnd.fail(reply.reason)
@@ -178,15 +187,16 @@ class OuterLoop:
     ) -> tuple[AveragingReply, list[Tensor]]:
         """The responder's side: accept the partner's request for the current outer step, if it is ours."""
         rnd = self._round
-        if rnd is None or rnd.outer_step < request.outer_step:
-            reason: str | None = "not reached this outer step"
+        if rnd is None:
+            declined: tuple[Decline, str] | None = (Decline.NOT_REACHED, "no outer step running")
         else:
-            reason = rnd.decline_reason(peer, request.outer_step)
-        if reason is None and len(tensors) != 2 * len(request.phi):
-            reason = "tensor count does not match the manifests"
-        if reason is not None or rnd is None:
+            declined = rnd.decline(peer, request.outer_step)
+        if declined is None and len(tensors) != 2 * len(request.phi):
+            declined = (Decline.MALFORMED, "tensor count does not match the manifests")
+        if declined is not None or rnd is None:
+            decline, reason = declined or (Decline.NOT_REACHED, "")
             return AveragingReply(
-                self.run_id, self.stage, request.outer_step, False, (reason or "")[:1000]
+                self.run_id, self.stage, request.outer_step, False, bounded(reason), decline=decline
             ), []
         phi, theta = _split(request.phi, tensors)
         rnd.deliver(peer, phi, theta, self.phi)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from protocols.checkfree import Recovery
 from protocols.messages import (
+    REQUESTS,
     Abort,
     Ack,
     AveragingRequest,
@@ -30,21 +31,25 @@ from protocols.messages import (
     Forward,
     NodeRecord,
     NodeState,
+    Pong,
+    Route,
+    Rpc,
     StatePart,
     StateRequest,
     StateTransfer,
+    bounded,
     encode,
 )
 from protocols.noloco import OuterConfig
+from protocols.stepbook import MicrobatchKey
 from swarmnode.dht import SwarmDHT
 from swarmnode.node import recovery, state
 from swarmnode.node.averaging import OuterLoop
-from swarmnode.node.checks import BANNED_FOR, M, Rejected, decode_from_peer, hop_tensor
+from swarmnode.node.checks import BANNED_FOR, Rejected, decode_from_peer, hop_tensor
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.router import Router
-from swarmnode.node.worker import Key
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import build_piece
 from swarmnode.presets import get_preset
@@ -124,17 +129,17 @@ class Node:
         # what one request may carry (float32 at most): a hop's activations, or a replica's phi and theta
         hop_bytes = 4 * self.spec.batch_size * self.spec.seq_len * self.model_config.dim
         average_bytes = 8 * sum(p.numel() for p in self.piece.parameters())
-        for method, handler, max_body_bytes in (
-            ("forward", self._on_forward, hop_bytes),
-            ("backward", self._on_backward, hop_bytes),
-            ("abort", self._on_abort, 0),
-            ("average", self._on_average, average_bytes),
-            ("state", self._on_state, 0),
-            ("ping", self._on_ping, 0),
-            ("hello", self._on_hello, 0),
-            ("route", self._on_route, 0),
+        for rpc, handler, max_body_bytes in (
+            (Rpc.FORWARD, self._on_forward, hop_bytes),
+            (Rpc.BACKWARD, self._on_backward, hop_bytes),
+            (Rpc.ABORT, self._on_abort, 0),
+            (Rpc.ROUTE, self._on_route, 0),
+            (Rpc.AVERAGE, self._on_average, average_bytes),
+            (Rpc.STATE, self._on_state, 0),
+            (Rpc.PING, self._on_ping, 0),
+            (Rpc.HELLO, self._on_hello, 0),
         ):
-            self.transport.register(method, self._guarded(handler), max_body_bytes)
+            self.transport.register(rpc, self._guarded(rpc, handler), max_body_bytes)
         self.compute.start()
         self._started = True
         await self.transport.start()
@@ -214,12 +219,15 @@ class Node:
 
     # ---- requests -------------------------------------------------------------------------------------
 
-    def _guarded(self, handler):  # type: ignore[no-untyped-def]
-        """Wrap a handler: malformed or hostile input is logged, the sender banned, an Error returned."""
+    def _guarded(self, rpc: Rpc, handler):  # type: ignore[no-untyped-def]
+        """Wrap a handler: the request decoded once, as the message `rpc` carries (`REQUESTS`), and handed to
+        the handler; malformed or hostile input is logged, the sender banned, an Error returned."""
+        kind = REQUESTS[rpc]
 
         async def serve(peer: PeerID, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
             try:
-                return await handler(str(peer), meta, tensors)
+                message = None if kind is None else decode_from_peer(meta, kind, self.spec.run_id)
+                return await handler(str(peer), message, tensors)
             except Rejected as rejected:
                 if rejected.code in BANNED_FOR:
                     self.transport.ban(peer, BAN_SECONDS)
@@ -230,30 +238,26 @@ class Node:
                         rejected.reason,
                     )
                     emit("rejected", peer_id=str(peer), code=str(rejected.code), reason=rejected.reason)
-                return encode(Error(rejected.code, rejected.reason[:1000])), []
+                return encode(Error(rejected.code, bounded(rejected.reason))), []
 
         return serve
-
-    def _decode(self, meta: bytes, kind: type[M]) -> M:
-        return decode_from_peer(meta, kind, self.spec.run_id)
 
     def _hop_tensor(self, peer: str, message: Forward | Backward, tensors: list[Tensor]) -> Tensor:
         shape = (self.spec.batch_size, self.spec.seq_len, self.model_config.dim)
         return hop_tensor(self.me, self.stage, peer, message, tensors, shape)
 
-    async def _on_abort(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        abort: Abort = self._decode(meta, Abort)
-        key = (abort.origin, abort.iteration, abort.microbatch)
+    async def _on_abort(self, peer: str, abort: Abort, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        key = MicrobatchKey(abort.origin, abort.iteration, abort.microbatch)
         if not self.abort_allowed(peer, key):
             raise Rejected(ErrorCode.STALE, f"{peer[-8:]} is not on the path of microbatch {key}")
         self.spawn(self.on_abort(key, abort.reason), "abort")
         return encode(Ack()), []
 
-    async def _on_ping(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+    async def _on_ping(self, peer: str, _: None, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         """Alive, and serving which stage (a node that moved keeps its peer id but not its stage)."""
-        return encode(Ack(detail=str(self.stage))), []
+        return encode(Pong(self.stage)), []
 
-    async def _on_hello(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+    async def _on_hello(self, peer: str, _: None, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         """A node just came online: read the DHT now rather than at the next refresh. However many greetings
         arrive, one read runs at a time and at most one more follows it (a flood costs no more)."""
         if self._greeted is None:
@@ -279,11 +283,12 @@ class Node:
         stages = range(1, self.spec.stages + 1) if self.stage == 0 else (0,)
         peers = [p for k in stages for p in self.snapshot.online(k) if p != self.me]
         await asyncio.gather(
-            *(self.router.call(p, "hello", b"", [], timeout=1.0) for p in peers), return_exceptions=True
+            *(self.router.call(p, Rpc.HELLO, b"", [], timeout=1.0) for p in peers), return_exceptions=True
         )
 
-    async def _on_state(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        request: StateRequest = self._decode(meta, StateRequest)
+    async def _on_state(
+        self, peer: str, request: StateRequest, tensors: list[Tensor]
+    ) -> tuple[bytes, list[Tensor]]:
         if request.stage != self.stage:
             raise Rejected(
                 ErrorCode.WRONG_STAGE, f"state of stage {request.stage} asked from stage {self.stage}"
@@ -351,8 +356,9 @@ class Node:
             except recovery.RecoveryFailed as error:
                 logger.info("copy refresh failed: %s", error)
 
-    async def _on_average(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        request: AveragingRequest = self._decode(meta, AveragingRequest)
+    async def _on_average(
+        self, peer: str, request: AveragingRequest, tensors: list[Tensor]
+    ) -> tuple[bytes, list[Tensor]]:
         if request.stage != self.stage:
             raise Rejected(
                 ErrorCode.WRONG_STAGE, f"averaging for stage {request.stage} sent to stage {self.stage}"
@@ -367,20 +373,24 @@ class Node:
 
     # ---- stage work, overridden by StageNode and DataNode ----------------------------------------------
 
-    async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+    async def _on_forward(
+        self, peer: str, message: Forward, tensors: list[Tensor]
+    ) -> tuple[bytes, list[Tensor]]:
         raise NotImplementedError
 
-    async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+    async def _on_backward(
+        self, peer: str, message: Backward, tensors: list[Tensor]
+    ) -> tuple[bytes, list[Tensor]]:
         raise NotImplementedError
 
-    async def on_abort(self, key: Key, reason: str) -> None:
+    async def on_abort(self, key: MicrobatchKey, reason: str) -> None:
         raise NotImplementedError
 
-    def abort_allowed(self, peer: str, key: Key) -> bool:
+    def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
         """Whether `peer` may abort microbatch `key` here (a peer off its path may not)."""
         raise NotImplementedError
 
-    async def _on_route(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+    async def _on_route(self, peer: str, route: Route, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         raise Rejected(ErrorCode.WRONG_STAGE, f"route notices go to data nodes, not to stage {self.stage}")
 
     async def maybe_step(self) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from protocols.messages import Ack, Backward, ErrorCode, Forward, Route, encode
+from protocols.stepbook import MicrobatchKey
 from swarmnode.data import Corpus, batches, data_node_tokens, validation_set
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.checks import Rejected
@@ -27,7 +28,7 @@ from swarmnode.node.daemon import Node
 from swarmnode.node.events import emit
 from swarmnode.node.planning import PlannedMicrobatch, plan_iteration
 from swarmnode.node.recovery import answering
-from swarmnode.node.worker import DataWorker, Key
+from swarmnode.node.worker import DataWorker
 from swarmnode.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class DataNode(Node):
         lost = [mb for mb in iteration.microbatches.values() if mb.loss is None or not mb.done]
         losses = [mb.loss for mb in iteration.microbatches.values() if mb.done and mb.loss is not None]
         for mb in lost:
-            key = (self.me, iteration.number, mb.planned.microbatch)
+            key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
             await self.compute.submit(Priority.BACKWARD, lambda key=key: self.worker.drop(key))
             await self._abort_path(iteration, mb, "iteration timed out")
         if lost and not evaluation:
@@ -220,14 +221,14 @@ class DataNode(Node):
             for mb in pending:
                 if dead & set(mb.path) and not mb.done:
                     mb.loss = None
-                    key = (self.me, iteration.number, mb.planned.microbatch)
+                    key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
                     await self._lose(
                         iteration, mb, key, f"peer {sorted(dead & set(mb.path))[0][-8:]} is dead"
                     )
 
     async def _launch(self, iteration: _Iteration, mb: _Microbatch, inputs: Tensor) -> None:
         plan = mb.planned
-        key = (self.me, iteration.number, plan.microbatch)
+        key = MicrobatchKey(self.me, iteration.number, plan.microbatch)
         now = time.monotonic()
         if iteration.evaluation:
             hidden = await self.compute.submit(Priority.FORWARD, lambda: self.piece.embed(inputs).detach())
@@ -256,7 +257,7 @@ class DataNode(Node):
             self.spec.run_id, self.me, iteration.number, mb.planned.microbatch, mb.path, reason
         )
 
-    async def _lose(self, iteration: _Iteration, mb: _Microbatch, key: Key, reason: str) -> None:
+    async def _lose(self, iteration: _Iteration, mb: _Microbatch, key: MicrobatchKey, reason: str) -> None:
         logger.info("microbatch %s lost: %s", key, reason)
         await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
         mb.done = True
@@ -271,8 +272,9 @@ class DataNode(Node):
             raise _stale(message)
         return iteration, mb
 
-    async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        message: Forward = self._decode(meta, Forward)
+    async def _on_forward(
+        self, peer: str, message: Forward, tensors: list[Tensor]
+    ) -> tuple[bytes, list[Tensor]]:
         if message.hop != len(message.path) - 1:
             raise Rejected(
                 ErrorCode.WRONG_STAGE, f"forward hop {message.hop} of {len(message.path)} at a data node"
@@ -290,8 +292,7 @@ class DataNode(Node):
         self.spawn(self._head(iteration, mb, message, hidden), "head")
         return encode(Ack()), []
 
-    async def _on_route(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        route: Route = self._decode(meta, Route)
+    async def _on_route(self, peer: str, route: Route, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         if route.path[route.hop] != peer:
             raise Rejected(ErrorCode.MALFORMED, f"{peer[-8:]} is not hop {route.hop} of the path it reports")
         _, mb = self._microbatch(route)
@@ -301,7 +302,7 @@ class DataNode(Node):
         return encode(Ack()), []
 
     async def _head(self, iteration: _Iteration, mb: _Microbatch, message: Forward, hidden: Tensor) -> None:
-        key = (self.me, iteration.number, mb.planned.microbatch)
+        key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
         if iteration.evaluation:
             mb.loss = await self.compute.submit(Priority.FORWARD, lambda: self._eval_loss(hidden, mb.targets))
             mb.done = True
@@ -323,13 +324,14 @@ class DataNode(Node):
             await self._abort_path(iteration, mb, "backward hop unreachable")
             await self._lose(iteration, mb, key, "backward hop unreachable")
 
-    async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        message: Backward = self._decode(meta, Backward)
+    async def _on_backward(
+        self, peer: str, message: Backward, tensors: list[Tensor]
+    ) -> tuple[bytes, list[Tensor]]:
         grad = self._hop_tensor(peer, message, tensors)
         iteration, mb = self._microbatch(message)
         if peer not in mb.first_hops:
             raise Rejected(ErrorCode.MALFORMED, f"{peer[-8:]} was not sent microbatch {message.microbatch}")
-        key = (self.me, iteration.number, mb.planned.microbatch)
+        key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
         shape = self.worker.output_shape(key)
         if shape is None:  # dropped meanwhile (lost, or the iteration closed)
             raise _stale(message)
@@ -340,7 +342,7 @@ class DataNode(Node):
         self.spawn(self._finish(iteration, mb, key, grad), "finish")
         return encode(Ack()), []
 
-    async def _finish(self, iteration: _Iteration, mb: _Microbatch, key: Key, grad: Tensor) -> None:
+    async def _finish(self, iteration: _Iteration, mb: _Microbatch, key: MicrobatchKey, grad: Tensor) -> None:
         def finish() -> bool:
             if iteration.closed or self.worker.output_shape(key) is None:  # lost meanwhile: no step's
                 return False
@@ -351,7 +353,7 @@ class DataNode(Node):
             mb.done = True
             iteration.check()
 
-    async def on_abort(self, key: Key, reason: str) -> None:
+    async def on_abort(self, key: MicrobatchKey, reason: str) -> None:
         iteration = self._current
         if key[0] != self.me or iteration is None or key[1] != iteration.number:
             return
@@ -363,7 +365,7 @@ class DataNode(Node):
             # peers they know: tell the whole path, as the data node
             await self._abort_path(iteration, mb, reason)
 
-    def abort_allowed(self, peer: str, key: Key) -> bool:
+    def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
         iteration = self._current
         mb = iteration.microbatches.get(key[2]) if iteration is not None else None
         return mb is None or peer in mb.path or peer in mb.first_hops

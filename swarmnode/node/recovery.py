@@ -26,7 +26,7 @@ from protocols.checkfree import (
     restore_embeddings,
 )
 from protocols.errors import ProtocolError
-from protocols.messages import Ack, StatePart, StateRequest, StateTransfer, decode, encode
+from protocols.messages import Pong, Rpc, StatePart, StateRequest, StateTransfer, decode, encode
 from swarmnode.node import state
 from swarmnode.node.compute import Priority
 from swarmnode.node.events import emit
@@ -48,11 +48,11 @@ class RecoveryFailed(RuntimeError):
 async def ping(transport: Transport, peer: str, stage: int | None = None) -> bool:
     """Whether `peer` answers now (and, if `stage` is given, serves that stage)."""
     try:
-        reply, _ = await transport.call(PeerID.from_base58(peer), "ping", b"", [], timeout=PING_TIMEOUT_S)
-        answer = decode(reply, Ack)
+        reply, _ = await transport.call(PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=PING_TIMEOUT_S)
+        answer = decode(reply, Pong)
     except (TransportError, ProtocolError, ValueError):
         return False
-    return stage is None or answer.detail == str(stage)
+    return stage is None or answer.stage == stage
 
 
 async def answering(transport: Transport, peers: list[str], stage: int | None = None) -> list[str]:
@@ -78,7 +78,7 @@ async def fetch(
 ) -> tuple[StateTransfer, state.TensorMap]:
     request = StateRequest(node.spec.run_id, stage, parts)
     meta, tensors = await node.transport.call(
-        PeerID.from_base58(peer), "state", encode(request), [], timeout=FETCH_TIMEOUT_S
+        PeerID.from_base58(peer), Rpc.STATE, encode(request), [], timeout=FETCH_TIMEOUT_S
     )
     header = decode(meta, StateTransfer)
     if header.stage != stage or set(header.parts) != set(parts):

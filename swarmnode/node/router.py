@@ -20,7 +20,19 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.errors import ProtocolError
-from protocols.messages import Abort, Ack, Backward, Error, Forward, Route, TensorSpec, decode, encode
+from protocols.messages import (
+    Abort,
+    Ack,
+    Backward,
+    Error,
+    Forward,
+    Route,
+    Rpc,
+    TensorSpec,
+    bounded,
+    decode,
+    encode,
+)
 from swarmnode.transport import Compression, PeerUnreachable, Transport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -116,7 +128,7 @@ class Router:
             if attempted is not None:
                 attempted.add(target)
             try:
-                await self.call(target, "forward", encode(message), [hidden], self.hop_timeout_s)
+                await self.call(target, Rpc.FORWARD, encode(message), [hidden], self.hop_timeout_s)
                 return message
             except Refused as error:
                 logger.info("forward to %s (stage %d) refused: %s", target[-8:], stages[nxt], error)
@@ -152,7 +164,7 @@ class Router:
         )
         target = received.path[target_hop]
         try:
-            await self.call(target, "backward", encode(message), [grad], self.hop_timeout_s)
+            await self.call(target, Rpc.BACKWARD, encode(message), [grad], self.hop_timeout_s)
             return True
         except Refused as error:
             logger.info("backward to %s refused: %s", target[-8:], error)
@@ -169,16 +181,16 @@ class Router:
         if sender < 1:
             return  # the data node itself sent it: it knows the path
         route = Route(delivered.run_id, delivered.iteration, delivered.microbatch, delivered.path, sender)
-        await self._try(delivered.path[0], "route", encode(route))
+        await self._try(delivered.path[0], Rpc.ROUTE, encode(route))
 
     async def abort(
         self, run_id: str, origin: str, iteration: int, microbatch: int, path: tuple[str, ...], reason: str
     ) -> None:
         """Tell every other node of the path to drop the microbatch (best effort, bounded)."""
-        message = encode(Abort(run_id, origin, iteration, microbatch, reason[:1000]))
+        message = encode(Abort(run_id, origin, iteration, microbatch, bounded(reason)))
         targets = sorted({p for p in path if p != self.me and not self.is_suspect(p)})
         await asyncio.gather(
-            *(self._try(target, "abort", message) for target in targets), return_exceptions=True
+            *(self._try(target, Rpc.ABORT, message) for target in targets), return_exceptions=True
         )
 
     async def _try(self, peer: str, method: str, meta: bytes) -> None:

@@ -12,14 +12,13 @@ import torch
 from torch import Tensor
 
 from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
+from protocols.stepbook import MicrobatchKey, StepBook
 from swarmnode.dht import SwarmDHT
 from swarmnode.node import recovery
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
 from swarmnode.node.daemon import Node
-from swarmnode.node.hops import HopBook
-from swarmnode.node.tracker import StepTracker
-from swarmnode.node.worker import Key, MissingActivations, StageWorker
+from swarmnode.node.worker import MissingActivations, StageWorker
 from swarmnode.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -39,9 +38,8 @@ class StageNode(Node):
     ) -> None:
         super().__init__(spec, stage, dht, direct_host)
         self.worker = StageWorker(self.piece, self.optimizer)
-        self.tracker = StepTracker(spec.iteration_timeout_s)
+        self.book = StepBook(spec.iteration_timeout_s)
         self.rebalance = rebalance
-        self._hops = HopBook()
         self._served: set[int] = set()  # stages this node has seen served (`--rebalance` moves only to those)
         self._origins_read_at = -math.inf
         self._origins_read: asyncio.Future[None] | None = None  # the DHT read forwards from new origins await
@@ -77,26 +75,26 @@ class StageNode(Node):
         self._served |= {k for k in stages if self.snapshot.online(k)}
         return [k for k in stages if k in self._served and not await recovery.live_peers(self, k)]
 
-    async def _on_forward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        message: Forward = self._decode(meta, Forward)
+    async def _on_forward(
+        self, peer: str, message: Forward, tensors: list[Tensor]
+    ) -> tuple[bytes, list[Tensor]]:
         hidden = self._hop_tensor(peer, message, tensors)
         if message.hop == len(message.path) - 1:
             raise Rejected(ErrorCode.WRONG_STAGE, "the last hop of a path is its data node, not a stage")
         if self.state != NodeState.ONLINE:
             raise Rejected(ErrorCode.BUSY, f"this node is {self.state}, not online")
-        key = (message.path[0], message.iteration, message.microbatch)
+        key = MicrobatchKey(message.path[0], message.iteration, message.microbatch)
         if message.evaluate:
             self.spawn(self._evaluate(message, hidden), "evaluate")
             return encode(Ack()), []
         if not await self._is_data_node(key[0]):
             raise Rejected(ErrorCode.STALE, f"{key[0][-8:]} is no online data node of this run")
-        if len(self._hops) >= self._backlog_limit():  # accepted and not finished: queued or held
-            raise Rejected(ErrorCode.BUSY, f"{len(self._hops)} microbatches held or queued here")
+        if len(self.book) >= self._backlog_limit():  # accepted and not finished: queued or held
+            raise Rejected(ErrorCode.BUSY, f"{len(self.book)} microbatches held or queued here")
         # a node is visited at most once per microbatch: a larger count is forged, and would stall steps
         expected = min(message.visits[message.hop], self.spec.microbatches) if message.visits else 0
-        if not self.tracker.on_forward(key, expected, time.monotonic()):
+        if not self.book.take(key, message.path[: message.hop], expected, time.monotonic()):
             raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
-        self._hops.take(key, message.path[: message.hop])
         self.spawn(self._forward(message, key, hidden), "forward")
         await self.tick(message.iteration)
         return encode(Ack()), []
@@ -128,14 +126,14 @@ class StageNode(Node):
         forward to another replica, or skips the stage)."""
         return BACKLOG_ITERATIONS * self.spec.microbatches * max(1, len(self.snapshot.online(0)))
 
-    def abort_allowed(self, peer: str, key: Key) -> bool:
-        return self._hops.may_abort(key, peer)
+    def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
+        return self.book.may_abort(key, peer)
 
-    async def _forward(self, message: Forward, key: Key, hidden: Tensor) -> None:
+    async def _forward(self, message: Forward, key: MicrobatchKey, hidden: Tensor) -> None:
         now = time.monotonic()
         output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
         self.tokens_processed += hidden.shape[0] * hidden.shape[1]
-        tries = self._hops.tries(key)
+        tries = self.book.tries(key)
         if tries is None:  # aborted while it waited for the compute thread: hold nothing, send nothing
             await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
             return
@@ -154,14 +152,15 @@ class StageNode(Node):
 
         await self.router.forward(message, await self.compute.submit(Priority.FORWARD, run))
 
-    async def _on_backward(self, peer: str, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        message: Backward = self._decode(meta, Backward)
+    async def _on_backward(
+        self, peer: str, message: Backward, tensors: list[Tensor]
+    ) -> tuple[bytes, list[Tensor]]:
         grad = self._hop_tensor(peer, message, tensors)
-        key = (message.path[0], message.iteration, message.microbatch)
+        key = MicrobatchKey(message.path[0], message.iteration, message.microbatch)
         shape = self.worker.output_shape(key)
-        if shape is None or key not in self._hops:
+        if shape is None or key not in self.book:
             raise Rejected(ErrorCode.STALE, f"no activations held for microbatch {key}")
-        if not self._hops.may_send_gradient(key, peer):
+        if not self.book.may_send_gradient(key, peer):
             raise Rejected(ErrorCode.MALFORMED, f"{peer[-8:]} was not sent microbatch {key}")
         if tuple(grad.shape) != shape:
             raise Rejected(
@@ -170,26 +169,24 @@ class StageNode(Node):
         self.spawn(self._backward(message, key, grad), "backward")
         return encode(Ack()), []
 
-    async def _backward(self, message: Backward, key: Key, grad: Tensor) -> None:
+    async def _backward(self, message: Backward, key: MicrobatchKey, grad: Tensor) -> None:
         try:
             grad_in = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.backward(key, grad))
         except MissingActivations:
             return  # aborted meanwhile
-        self._hops.forget(key)
-        self.tracker.on_finished(key, applied=True, now=time.monotonic())
+        self.book.finish(key, applied=True, now=time.monotonic())
         delivered = await self.router.backward(message, grad_in)
         if not delivered:
             await self._abort_everywhere(message, key, "previous hop unreachable")
         await self.maybe_step()
 
-    async def _abort_everywhere(self, message: Forward | Backward, key: Key, reason: str) -> None:
+    async def _abort_everywhere(self, message: Forward | Backward, key: MicrobatchKey, reason: str) -> None:
         await self.on_abort(key, reason)
         await self.router.abort(self.spec.run_id, key[0], key[1], key[2], message.path, reason)
 
-    async def on_abort(self, key: Key, reason: str) -> None:
+    async def on_abort(self, key: MicrobatchKey, reason: str) -> None:
         dropped = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
-        self._hops.forget(key)
-        self.tracker.on_finished(key, applied=False, now=time.monotonic())
+        self.book.finish(key, applied=False, now=time.monotonic())
         if dropped:
             logger.info("dropped microbatch %s: %s", key, reason)
         await self.maybe_step()
@@ -199,17 +196,15 @@ class StageNode(Node):
             return
         await self.tick(self.snapshot.clock())
         now = time.monotonic()
-        self.tracker.expire(now)
         # before any await: a microbatch taken meanwhile belongs to a group that is open, and its forward job,
         # submitted after the drop job below, runs after it (the drop's priority is higher)
-        self._hops.forget_groups_except(self.tracker.open_groups)
-        live = self._hops.keys()
+        live = self.book.expire(now)
         if self.worker.in_flight:  # drop, in one job, what expired groups (or interrupted drops) left held
             dropped = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop_all_except(live))
             self.microbatches_lost += dropped
-        decision = self.tracker.ready(self.worker.in_flight, now)
+        decision = self.book.ready(self.worker.in_flight, now)
         if decision is None:
-            if self.outer.has_pending and not self.worker.in_flight and not self.tracker.open_groups:
+            if self.outer.has_pending and not self.worker.in_flight and not self.book.open_groups:
                 # a replica that gets no microbatch for a while still takes its outer steps
                 await self.compute.submit(Priority.STEP, self.outer.apply_pending)
             return

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from protocols.stepbook import MicrobatchKey
 from swarmnode.optim import StageOptimizer
 from swarmnode.pieces import DataPiece
-
-Key = tuple[str, int, int]  # (origin data node, iteration, microbatch)
 
 
 class MissingActivations(KeyError):
@@ -38,19 +37,19 @@ class StageWorker:
     def __init__(self, module: nn.Module, optimizer: StageOptimizer) -> None:
         self.module = module
         self.optimizer = optimizer
-        self._held: dict[Key, _Held] = {}
+        self._held: dict[MicrobatchKey, _Held] = {}
 
     @property
     def in_flight(self) -> int:
         return len(self._held)
 
-    def forward(self, key: Key, hidden: Tensor, now: float) -> Tensor:
+    def forward(self, key: MicrobatchKey, hidden: Tensor, now: float) -> Tensor:
         inputs = hidden.detach().float().requires_grad_(True)
         outputs = self.module(inputs)
         self._held[key] = _Held(inputs, outputs, now)
         return outputs.detach()
 
-    def backward(self, key: Key, grad: Tensor) -> Tensor:
+    def backward(self, key: MicrobatchKey, grad: Tensor) -> Tensor:
         held = self._held.pop(key, None)
         if held is None:
             raise MissingActivations(key)
@@ -59,11 +58,11 @@ class StageWorker:
             raise RuntimeError(f"no input gradient for microbatch {key}")
         return held.inputs.grad
 
-    def drop(self, key: Key) -> bool:
+    def drop(self, key: MicrobatchKey) -> bool:
         """Forget a microbatch (aborted); True if it was held."""
         return self._held.pop(key, None) is not None
 
-    def drop_all_except(self, live: Collection[Key]) -> int:
+    def drop_all_except(self, live: Collection[MicrobatchKey]) -> int:
         """Forget every microbatch not in `live` (its group expired, or closed while a drop was interrupted);
         returns how many were dropped. On the compute thread, like every change of `_held`."""
         stale = [key for key in self._held if key not in live]
@@ -71,7 +70,7 @@ class StageWorker:
             del self._held[key]
         return len(stale)
 
-    def output_shape(self, key: Key) -> tuple[int, ...] | None:
+    def output_shape(self, key: MicrobatchKey) -> tuple[int, ...] | None:
         held = self._held.get(key)
         return None if held is None else tuple(held.outputs.shape)
 
@@ -85,13 +84,13 @@ class DataWorker:
     def __init__(self, piece: DataPiece, optimizer: StageOptimizer) -> None:
         self.piece = piece
         self.optimizer = optimizer
-        self._embedded: dict[Key, _Held] = {}
+        self._embedded: dict[MicrobatchKey, _Held] = {}
 
     @property
     def in_flight(self) -> int:
         return len(self._embedded)
 
-    def embed(self, key: Key, tokens: Tensor, now: float) -> Tensor:
+    def embed(self, key: MicrobatchKey, tokens: Tensor, now: float) -> Tensor:
         hidden = self.piece.embed(tokens)
         self._embedded[key] = _Held(tokens, hidden, now)
         return hidden.detach()
@@ -108,17 +107,17 @@ class DataWorker:
             raise RuntimeError("no gradient at the head")
         return float(loss.detach()), inputs.grad
 
-    def finish(self, key: Key, grad: Tensor) -> None:
+    def finish(self, key: MicrobatchKey, grad: Tensor) -> None:
         """The gradient has come back to the embedding: complete the backward pass."""
         held = self._embedded.pop(key, None)
         if held is None:
             raise MissingActivations(key)
         held.outputs.backward(grad.float())
 
-    def drop(self, key: Key) -> bool:
+    def drop(self, key: MicrobatchKey) -> bool:
         return self._embedded.pop(key, None) is not None
 
-    def output_shape(self, key: Key) -> tuple[int, ...] | None:
+    def output_shape(self, key: MicrobatchKey) -> tuple[int, ...] | None:
         held = self._embedded.get(key)
         return None if held is None else tuple(held.outputs.shape)
 

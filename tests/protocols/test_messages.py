@@ -20,11 +20,13 @@ from protocols.messages import (
     AveragingReply,
     AveragingRequest,
     Backward,
+    Decline,
     Error,
     ErrorCode,
     Forward,
     NodeRecord,
     NodeState,
+    Pong,
     Route,
     StatePart,
     StateRequest,
@@ -48,9 +50,9 @@ EXAMPLES = [
     StateTransfer("run-1", 3, (StatePart.WEIGHTS,), 0, 0, None, ()),
     AveragingRequest("run-1", 2, 24, PHI, THETA),
     AveragingReply("run-1", 2, 24, True, "", PHI, THETA),
-    AveragingReply("run-1", 2, 24, False, "not this node's partner"),
+    AveragingReply("run-1", 2, 24, False, "not this node's partner", decline=Decline.NOT_PARTNER),
     Ack(),
-    Ack("stored"),
+    Pong(3),
     Error(ErrorCode.BUSY, "queue full"),
     NodeRecord(
         NodeState.ONLINE,
@@ -154,9 +156,9 @@ def test_unknown_kind_is_rejected() -> None:
         [1, "ack", ""],
         "ack",
         None,
-        {"v": 1, "kind": "ack"},  # missing field
-        {"v": 1, "kind": "ack", "detail": "", "extra": 1},  # unexpected field
-        {"v": 1, "kind": "ack", 5: ""},  # non-string key
+        {"v": 1, "kind": "pong"},  # missing field
+        {"v": 1, "kind": "ack", "extra": 1},  # unexpected field
+        {"v": 1, "kind": "pong", "stage": 1, 5: ""},  # non-string key
     ],
 )
 def test_malformed_structure_is_rejected(payload: object) -> None:
@@ -310,3 +312,16 @@ def test_well_formed_maps_with_random_values_only_raise_remote_errors(kind: str,
     names = [f.name for f in fields(KINDS[kind])]
     body = {name: draw.draw(values, label=name) for name in names}
     only_remote_errors(pack({"v": PROTOCOL_VERSION, "kind": kind, **body}))
+
+
+def test_a_declining_averaging_reply_says_why_and_an_accepting_one_does_not() -> None:
+    with pytest.raises(LocalProtocolError, match="decline"):
+        AveragingReply("run-1", 2, 24, False, "no reason given")
+    with pytest.raises(LocalProtocolError, match="decline"):
+        AveragingReply("run-1", 2, 24, True, "", PHI, THETA, decline=Decline.FINISHED)
+    reply = decode(encode(AveragingReply("r", 1, 2, False, "later", decline=Decline.NOT_REACHED)))
+    assert reply.decline is Decline.NOT_REACHED
+    body = wire(AveragingReply("r", 1, 2, False, "x", decline=Decline.FINISHED))
+    body["decline"] = "because"
+    with pytest.raises(RemoteProtocolError):
+        decode(msgpack.packb(body))

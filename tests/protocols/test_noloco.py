@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from protocols.errors import LocalProtocolError
+from protocols.messages import Decline
 from protocols.noloco import (
     OuterConfig,
     PairingRound,
@@ -194,7 +195,7 @@ def test_pair_exchanges_and_both_step() -> None:
     assert a.partner == "b" and b.partner == "a" and a.initiator and not b.initiator
     phi_a, theta_a, phi_b, theta_b = state(1.0), state(2.0), state(3.0), state(5.0)
     # a sends its request; b checks and takes it, then replies with its own pre-step tensors.
-    assert b.decline_reason("a", 4) is None
+    assert b.decline("a", 4) is None
     assert b.deliver("a", phi_a, theta_a, own_phi=phi_b).phase is Phase.PAIRED
     outcome_a = a.deliver("b", phi_b, theta_b, own_phi=phi_a)
     assert outcome_a.phase is Phase.PAIRED and outcome_a.partner == "b"
@@ -203,7 +204,7 @@ def test_pair_exchanges_and_both_step() -> None:
     torch.testing.assert_close(new_a.phi["w"], torch.full((2, 2), 1.0 + 0.7 * 1.5 + 0.7))
     torch.testing.assert_close(new_b.phi["w"], torch.full((2, 2), 3.0 + 0.7 * 1.5 - 0.7))
     # done: a second request, a late delivery, a failure and the clock change nothing.
-    assert "already finished" in b.decline_reason("a", 4)
+    assert b.decline("a", 4)[0] is Decline.FINISHED
     assert a.deliver("b", state(0.0), state(0.0), own_phi=phi_a) is outcome_a
     assert a.fail("late") is outcome_a and a.tick(100.0) is outcome_a
 
@@ -216,9 +217,10 @@ def test_alone_without_partner() -> None:
 
 def test_requests_are_checked() -> None:
     a, b = make_round("a"), make_round("b")
-    assert "outer step 5" in b.decline_reason("a", 5)
-    assert "not this node's partner" in b.decline_reason("c", 4)
-    assert "initiates" in a.decline_reason("b", 4)
+    assert b.decline("a", 5) == (Decline.NOT_REACHED, "outer step 5 not reached, at 4")
+    assert b.decline("a", 3)[0] is Decline.OTHER_OUTER_STEP
+    assert b.decline("c", 4)[0] is Decline.NOT_PARTNER and "not this node's partner" in b.decline("c", 4)[1]
+    assert a.decline("b", 4)[0] is Decline.INITIATOR
     with pytest.raises(LocalProtocolError):
         b.deliver("c", state(1.0), state(1.0), own_phi=state(1.0))
 
@@ -227,7 +229,7 @@ def test_partner_vanished_falls_back_alone() -> None:
     a = make_round("a")
     outcome = a.fail("connection refused")
     assert outcome.phase is Phase.ALONE and "connection refused" in outcome.reason
-    assert "already finished" in a.decline_reason("b", 4)
+    assert a.decline("b", 4)[0] is Decline.FINISHED
 
 
 def test_timeout_falls_back_alone() -> None:

@@ -1,0 +1,190 @@
+"""A stage node's book of the microbatches routed through it: when it may step, and who may send what.
+
+Sans-I/O, like `noloco.PairingRound`: the node reports events (a forward taken, a try to send it on, a
+microbatch finished or aborted, the clock) and asks for decisions (refuse this forward? may this peer send
+its gradient or abort? step now?). Time comes in as arguments; nothing here touches tensors or sockets.
+
+Groups. A group is one data node's iteration, `(origin, iteration)`. Each forward says how many of the
+group's microbatches the plan sends through this node (`expected`); the group is complete once that many (or
+as many as actually arrived, if re-routing sent more) have finished their backward pass or were aborted. The
+node steps when every group it knows of is complete or expired and nothing is held, so no global barrier is
+needed and no microbatch is applied twice; the step names the latest iteration it applies, the swarm-clock
+tick its learning rate belongs to. An abort may arrive before any forward of its group (the microbatch died
+upstream, and this node is further down its path): it is remembered for one expiry period, so that the
+group does not wait for the microbatch that never will arrive.
+
+Senders. A message's path is written by its sender, so it cannot say who may send a gradient back or abort.
+For each microbatch it took, the book remembers the path up to this node as it arrived and every peer the
+node tried to send the microbatch on to (re-routes included, recorded before each try). Only one of those
+may send its gradient; aborts come from those, the upstream peers or the data node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+MAX_EARLY_ABORTS = 4096  # aborts remembered for groups not seen yet (a bound against a flood of them)
+FORGET_AFTER_EXPIRIES = 10  # closed groups are remembered (late messages refused) this many expiry periods
+
+
+class MicrobatchKey(NamedTuple):
+    """One microbatch of the swarm: its data node, that node's iteration (the swarm clock), its index."""
+
+    origin: str
+    iteration: int
+    microbatch: int
+
+    @property
+    def group(self) -> Group:
+        return (self.origin, self.iteration)
+
+
+Group = tuple[str, int]  # (origin data node, iteration)
+
+
+@dataclass
+class _GroupState:
+    created: float
+    expected: int = 0
+    seen: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
+    applied: int = 0  # microbatches whose gradient reached this node's parameters
+
+    @property
+    def complete(self) -> bool:
+        """Every microbatch that arrived has finished, and as many as planned have finished or been aborted
+        (aborts may name microbatches that never arrived: they count toward the plan, not for the held)."""
+        return self.seen <= self.finished and len(self.finished) >= self.expected
+
+
+@dataclass
+class _Hops:
+    upstream: tuple[str, ...]
+    downstream: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """Step now: `groups` groups' gradients are in `.grad` (the step averages over them), `applied`
+    microbatches in all, the latest of iteration `iteration` (None if every one was aborted)."""
+
+    groups: int
+    applied: int
+    iteration: int | None
+
+
+class StepBook:
+    """Per-group accounting of planned, taken and finished microbatches on one stage node, and their hops."""
+
+    def __init__(self, expiry_s: float) -> None:
+        self.expiry_s = expiry_s
+        self._groups: dict[Group, _GroupState] = {}
+        self._closed: dict[Group, float] = {}  # stepped groups, remembered to refuse late messages
+        self._early: dict[Group, tuple[float, set[int]]] = {}  # aborts of groups not seen yet
+        self._taken: dict[MicrobatchKey, _Hops] = {}  # taken and not finished: queued, held or downstream
+
+    # ---- events ---------------------------------------------------------------------------------------
+
+    def take(self, key: MicrobatchKey, upstream: tuple[str, ...], expected: int, now: float) -> bool:
+        """A forward arrived along `upstream`, its group planning `expected` microbatches through this node.
+        False (refuse it) if it is a duplicate, was aborted, or belongs to a group already stepped past."""
+        key = MicrobatchKey(*key)
+        if key.group in self._closed:
+            return False
+        state = self._groups.get(key.group)
+        if state is None:
+            state = self._groups[key.group] = _GroupState(created=now)
+            state.finished |= self._early.pop(key.group, (now, set()))[1]
+        state.expected = max(state.expected, expected)
+        if key.microbatch in state.seen or key.microbatch in state.finished:
+            return False
+        state.seen.add(key.microbatch)
+        self._taken[key] = _Hops(upstream)
+        return True
+
+    def tries(self, key: MicrobatchKey) -> set[str] | None:
+        """The set the router records its tries to send `key` on in (before each try), or None once `key`
+        is finished or aborted (then send nothing)."""
+        hops = self._taken.get(MicrobatchKey(*key))
+        return None if hops is None else hops.downstream
+
+    def finish(self, key: MicrobatchKey, applied: bool, now: float) -> None:
+        """A microbatch finished here: its backward pass ran (`applied`) or it was aborted. An abort for a
+        group this node has not seen yet is remembered for one expiry period."""
+        key = MicrobatchKey(*key)
+        self._taken.pop(key, None)
+        state = self._groups.get(key.group)
+        if state is None:
+            if not applied and key.group not in self._closed:
+                self._remember_early(key.group, key.microbatch, now)
+            return
+        if key.microbatch in state.finished:
+            return
+        state.finished.add(key.microbatch)
+        state.applied += int(applied)
+
+    def expire(self, now: float) -> frozenset[MicrobatchKey]:
+        """Give up on groups older than the expiry (they count as complete) and forget the hops of every
+        microbatch whose group is no longer open. Returns the microbatches still taken: the caller drops
+        whatever else it holds."""
+        for state in self._groups.values():
+            if not state.complete and now - state.created > self.expiry_s:
+                state.expected = 0
+                state.finished |= state.seen
+        open_groups = self.open_groups
+        for key in [key for key in self._taken if key.group not in open_groups]:
+            del self._taken[key]
+        return frozenset(self._taken)
+
+    def ready(self, held: int, now: float) -> StepDecision | None:
+        """A step decision if this node should step now (nothing held, every group complete), else None.
+        A decision closes its groups: their late messages are refused from then on."""
+        if held or not self._groups or not all(state.complete for state in self._groups.values()):
+            return None
+        applied = [group for group, state in self._groups.items() if state.applied]
+        decision = StepDecision(
+            groups=len(applied),
+            applied=sum(state.applied for state in self._groups.values()),
+            iteration=max((iteration for _, iteration in applied), default=None),
+        )
+        for group in self._groups:
+            self._closed[group] = now
+        self._groups.clear()
+        horizon = now - FORGET_AFTER_EXPIRIES * self.expiry_s
+        for group in [g for g, closed in self._closed.items() if closed < horizon]:
+            del self._closed[group]
+        return decision
+
+    # ---- questions ------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Microbatches taken and not finished (the backlog a node bounds)."""
+        return len(self._taken)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and len(key) == 3 and MicrobatchKey(*key) in self._taken
+
+    @property
+    def open_groups(self) -> set[Group]:
+        """Groups still waiting for microbatches (an expired group is no longer open)."""
+        return {group for group, state in self._groups.items() if not state.complete}
+
+    def may_send_gradient(self, key: MicrobatchKey, peer: str) -> bool:
+        """Only a peer this node sent the microbatch to may send its gradient back."""
+        hops = self._taken.get(MicrobatchKey(*key))
+        return hops is not None and peer in hops.downstream
+
+    def may_abort(self, key: MicrobatchKey, peer: str) -> bool:
+        """An abort from the data node or a peer on the path as this node knows it; for a microbatch this
+        node has not taken, anyone's (the book remembers it for one expiry period at most)."""
+        key = MicrobatchKey(*key)
+        hops = self._taken.get(key)
+        return hops is None or peer == key.origin or peer in hops.upstream or peer in hops.downstream
+
+    def _remember_early(self, group: Group, microbatch: int, now: float) -> None:
+        for old in [g for g, (seen_at, _) in self._early.items() if now - seen_at > self.expiry_s]:
+            del self._early[old]
+        if sum(len(keys) for _, keys in self._early.values()) >= MAX_EARLY_ABORTS:
+            return
+        self._early.setdefault(group, (now, set()))[1].add(microbatch)

@@ -1,0 +1,149 @@
+"""The stage node's step book (`protocols.stepbook`), driven in memory: every transition and the races that
+the daemon's history has fixed, in milliseconds."""
+
+from __future__ import annotations
+
+from protocols.stepbook import MicrobatchKey, StepBook
+
+
+def key(origin: str, iteration: int, microbatch: int) -> MicrobatchKey:
+    return MicrobatchKey(origin, iteration, microbatch)
+
+
+def test_steps_only_when_every_planned_microbatch_finished() -> None:
+    book = StepBook(expiry_s=30.0)
+    assert book.take(key("d", 0, 0), ("d",), expected=2, now=0.0)
+    assert book.ready(held=1, now=0.1) is None
+    book.finish(key("d", 0, 0), applied=True, now=0.0)
+    assert book.ready(held=0, now=0.2) is None  # the second planned microbatch has not arrived
+    assert book.take(key("d", 0, 1), ("d",), expected=2, now=0.3)
+    book.finish(key("d", 0, 1), applied=False, now=0.0)  # aborted
+    decision = book.ready(held=0, now=0.4)
+    assert decision is not None and (decision.groups, decision.applied, decision.iteration) == (1, 1, 0)
+
+
+def test_the_decision_names_the_latest_iteration_applied() -> None:
+    book = StepBook(expiry_s=30.0)
+    for k in (key("d", 4, 0), key("e", 5, 0), key("f", 6, 0)):
+        assert book.take(k, (k.origin,), expected=1, now=0.0)
+    book.finish(key("d", 4, 0), applied=True, now=0.0)
+    book.finish(key("e", 5, 0), applied=True, now=0.0)
+    book.finish(key("f", 6, 0), applied=False, now=0.0)  # aborted: its tick holds no gradient
+    decision = book.ready(held=0, now=0.1)
+    assert decision is not None and (decision.groups, decision.iteration) == (2, 5)
+
+
+def test_a_step_of_aborted_microbatches_only_applies_nothing() -> None:
+    book = StepBook(expiry_s=30.0)
+    assert book.take(key("d", 0, 0), ("d",), expected=1, now=0.0)
+    book.finish(key("d", 0, 0), applied=False, now=0.1)
+    decision = book.ready(held=0, now=0.2)
+    assert decision is not None and (decision.groups, decision.applied, decision.iteration) == (0, 0, None)
+
+
+def test_duplicates_and_late_messages_are_refused() -> None:
+    book = StepBook(expiry_s=30.0)
+    assert book.take(key("d", 0, 0), ("d",), expected=1, now=0.0)
+    assert not book.take(key("d", 0, 0), ("d",), expected=1, now=0.0)  # duplicate
+    book.finish(key("d", 0, 0), applied=True, now=0.0)
+    book.finish(key("d", 0, 0), applied=True, now=0.0)  # never counted twice
+    decision = book.ready(held=0, now=1.0)
+    assert decision is not None and decision.applied == 1
+    assert not book.take(key("d", 0, 5), ("d",), expected=1, now=2.0)  # the group is closed
+    # closed groups are forgotten after ten expiry periods (and their numbers never come back)
+    assert book.take(key("d", 1, 0), ("d",), expected=1, now=400.0)
+    book.finish(key("d", 1, 0), applied=True, now=400.0)
+    assert book.ready(held=0, now=400.0) is not None
+    assert book.take(key("d", 0, 6), ("d",), expected=1, now=401.0)
+
+
+def test_groups_that_never_complete_expire_and_their_microbatches_are_dropped() -> None:
+    book = StepBook(expiry_s=5.0)
+    assert book.take(key("d", 3, 0), ("d",), expected=2, now=0.0)
+    assert book.take(key("d", 3, 1), ("d",), expected=2, now=0.0)
+    book.finish(key("d", 3, 0), applied=True, now=0.0)
+    assert book.expire(now=4.0) == {key("d", 3, 1)}  # still waiting: microbatch 1 is live
+    assert book.ready(held=1, now=4.0) is None
+    assert book.expire(now=6.0) == frozenset()  # expired: the caller drops what microbatch 1 held
+    assert key("d", 3, 1) not in book and book.tries(key("d", 3, 1)) is None
+    decision = book.ready(held=0, now=6.0)
+    assert decision is not None and decision.groups == 1
+
+
+def test_groups_of_several_data_nodes_step_together() -> None:
+    book = StepBook(expiry_s=30.0)
+    for origin in ("a", "b"):
+        assert book.take(key(origin, 0, 0), (origin,), expected=1, now=0.0)
+        book.finish(key(origin, 0, 0), applied=True, now=0.0)
+    decision = book.ready(held=0, now=1.0)
+    assert decision is not None and decision.groups == 2
+
+
+def test_an_abort_that_arrives_before_its_group_is_remembered() -> None:
+    book = StepBook(expiry_s=5.0)
+    book.finish(key("d", 0, 1), applied=False, now=0.0)  # microbatch 1 died upstream, before reaching us
+    assert book.ready(held=0, now=0.1) is None  # an abort alone is no group to step for
+    assert book.take(key("d", 0, 0), ("d",), expected=2, now=0.2)
+    assert not book.take(key("d", 0, 1), ("d",), expected=2, now=0.3)  # an aborted microbatch is refused
+    book.finish(key("d", 0, 0), applied=True, now=0.4)
+    decision = book.ready(held=0, now=0.5)  # no waiting for the microbatch that will never come
+    assert decision is not None and decision.applied == 1
+    # an early abort older than the expiry is forgotten; one for a closed group is ignored
+    book.finish(key("d", 1, 0), applied=False, now=1.0)
+    book.finish(key("d", 2, 0), applied=False, now=7.0)
+    book.finish(key("d", 0, 1), applied=False, now=7.0)
+    assert book.take(key("d", 1, 1), ("d",), expected=2, now=7.1)
+    book.finish(key("d", 1, 1), applied=True, now=7.2)
+    assert book.ready(held=0, now=7.3) is None
+
+
+def test_every_held_microbatch_is_waited_for_even_when_aborts_fill_the_count() -> None:
+    book = StepBook(expiry_s=30.0)
+    assert book.take(key("d", 0, 0), ("d",), expected=2, now=0.0)  # planned: mb0 and mb1
+    assert book.take(key("d", 0, 2), ("d",), expected=2, now=0.1)  # mb2 re-routed here
+    book.finish(key("d", 0, 1), applied=False, now=0.2)  # mb1 died upstream
+    book.finish(key("d", 0, 2), applied=True, now=0.3)
+    assert book.open_groups == {("d", 0)}  # mb0 is still held: its backward must find it
+    assert book.ready(held=0, now=0.4) is None
+    book.finish(key("d", 0, 0), applied=True, now=0.5)
+    decision = book.ready(held=0, now=0.6)
+    assert decision is not None and decision.applied == 2
+
+
+def test_a_microbatch_taken_while_a_step_waits_is_not_dropped() -> None:
+    # the daemon expires, then awaits its compute thread: a microbatch taken meanwhile belongs to an open
+    # group and stays in the book (an old bug dropped it and stalled its group)
+    book = StepBook(expiry_s=30.0)
+    assert book.take(key("d", 0, 0), ("d",), expected=1, now=0.0)
+    book.finish(key("d", 0, 0), applied=True, now=0.1)
+    live = book.expire(now=0.2)
+    assert live == frozenset()
+    assert book.take(key("d", 1, 0), ("d",), expected=1, now=0.3)  # arrives during the await
+    assert book.ready(held=1, now=0.4) is None  # held: no step under a pending backward pass
+    assert key("d", 1, 0) in book and book.expire(now=0.5) == {key("d", 1, 0)}
+
+
+def test_only_a_peer_a_microbatch_was_sent_to_may_return_its_gradient() -> None:
+    book, k = StepBook(expiry_s=30.0), key("data", 4, 1)
+    assert book.take(k, ("data", "s1"), expected=1, now=0.0)
+    tries = book.tries(k)
+    assert tries is not None
+    tries |= {"s3-dead", "s3-alive"}  # the router tried a dead replica, then re-routed
+    assert book.may_send_gradient(k, "s3-alive") and book.may_send_gradient(k, "s3-dead")
+    assert not book.may_send_gradient(k, "mallory")  # whatever path mallory's message claims
+    assert not book.may_send_gradient(key("data", 4, 2), "s3-alive")  # not taken
+    assert all(book.may_abort(k, p) for p in ("data", "s1", "s3-alive"))
+    assert not book.may_abort(k, "mallory")
+    assert book.may_abort(key("data", 9, 0), "anyone")  # not taken here: the book bounds what it does
+    assert book.take(key("data", 5, 0), ("data",), expected=1, now=0.0)
+    assert len(book) == 2
+    book.finish(k, applied=True, now=0.1)
+    assert k not in book and book.tries(k) is None and len(book) == 1
+    assert not book.may_send_gradient(k, "s3-alive")  # a second gradient for a finished microbatch
+
+
+def test_plain_tuples_name_the_same_microbatch() -> None:
+    book = StepBook(expiry_s=30.0)
+    assert book.take(("d", 0, 0), ("d",), expected=1, now=0.0)  # type: ignore[arg-type]
+    assert ("d", 0, 0) in book and key("d", 0, 0) in book
+    assert key("d", 0, 0).group == ("d", 0)
