@@ -146,7 +146,7 @@ class Node:
         await self.refresh_snapshot()
         self.state = NodeState.RECOVERING
         await self.publish()
-        await recovery.recover(self)
+        self.recovery = await recovery.recover(self)
         self.state = NodeState.ONLINE
         await self.publish()
         await self._greet_peers()

@@ -26,8 +26,8 @@ from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
 from swarmnode.node.daemon import Node
 from swarmnode.node.events import emit
+from swarmnode.node.liveness import answering
 from swarmnode.node.planning import PlannedMicrobatch, plan_iteration
-from swarmnode.node.recovery import answering
 from swarmnode.node.worker import DataWorker
 from swarmnode.runspec import RunSpec
 

@@ -1,18 +1,20 @@
 """How a joining node gets its stage's state: from a live replica, or rebuilt with CheckFree(+).
 
 The decision is `protocols.checkfree.plan_recovery`'s; this module fetches what it names over the
-transport and loads it. Liveness is checked by pinging the peers the DHT lists (a record outlives its
-node by up to its TTL), so a stage whose last node just died is recognised as lost at once. A swarm that
+transport and loads it, through the narrow `Joiner` interface of the node. Liveness is checked by pinging
+the peers the DHT lists (`node.liveness`), so a stage whose last node just died is recognised as lost at
+once. A swarm that
 has not trained yet (no record with a step) needs no recovery: every node starts from the run's seeded
 initial weights.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import random
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from hivemind.p2p import PeerID
@@ -26,55 +28,49 @@ from protocols.checkfree import (
     restore_embeddings,
 )
 from protocols.errors import ProtocolError
-from protocols.messages import Pong, Rpc, StatePart, StateRequest, StateTransfer, decode, encode
+from protocols.messages import Rpc, StatePart, StateRequest, StateTransfer, decode, encode
 from swarmnode.node import state
-from swarmnode.node.compute import Priority
+from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
+from swarmnode.node.liveness import live_peers, trained_peers
+from swarmnode.node.planning import Snapshot
+from swarmnode.runspec import RunSpec
 from swarmnode.transport import Transport, TransportError
-
-if TYPE_CHECKING:
-    from swarmnode.node.daemon import Node
 
 logger = logging.getLogger(__name__)
 
-PING_TIMEOUT_S = 1.0
 FETCH_TIMEOUT_S = 120.0
+RECOVERY_ATTEMPTS = 3
 
 
-class RecoveryFailed(RuntimeError):
+class RecoveryFailed(Exception):
     """No donor could provide the state the recovery plan needs."""
 
 
-async def ping(transport: Transport, peer: str, stage: int | None = None) -> bool:
-    """Whether `peer` answers now (and, if `stage` is given, serves that stage)."""
-    try:
-        reply, _ = await transport.call(PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=PING_TIMEOUT_S)
-        answer = decode(reply, Pong)
-    except (TransportError, ProtocolError, ValueError):
-        return False
-    return stage is None or answer.stage == stage
+class Joiner(Protocol):
+    """What recovery needs of the node that joins: its run, stage and identity, the transport and compute
+    queue, its view of the swarm, and the two ways to load state (as a replica, or rebuilt)."""
 
+    spec: RunSpec
+    stage: int
+    me: str
+    transport: Transport
+    compute: ComputeQueue
+    rng: random.Random
+    dump_dir: Path | None
 
-async def answering(transport: Transport, peers: list[str], stage: int | None = None) -> list[str]:
-    """The peers among `peers` that answer a ping now (serving `stage`, if given)."""
-    answers = await asyncio.gather(*(ping(transport, p, stage) for p in peers))
-    return [p for p, alive in zip(peers, answers, strict=True) if alive]
+    @property
+    def snapshot(self) -> Snapshot: ...
 
+    async def refresh_snapshot(self) -> None: ...
 
-async def live_peers(node: Node, stage: int) -> list[str]:
-    """Online peers of `stage` (other than this node) that answer a ping now and still serve it."""
-    return await answering(node.transport, [p for p in node.snapshot.online(stage) if p != node.me], stage)
+    def load_replica(self, header: StateTransfer, received: state.TensorMap) -> None: ...
 
-
-async def trained_peers(node: Node, stage: int) -> list[str]:
-    """Live peers of `stage` that may serve as a rebuild source: not freshly re-initialised (a stage served
-    only by a `reinit` node holds random weights, which an average must not take in)."""
-    fresh = {p.peer_id for p in node.snapshot.stages.get(stage, ()) if p.record.recovery == "reinit"}
-    return [p for p in await live_peers(node, stage) if p not in fresh]
+    def load_rebuilt(self, rebuilt: state.TensorMap, plan: Recovery, step: int | None) -> None: ...
 
 
 async def fetch(
-    node: Node, peer: str, stage: int, parts: tuple[StatePart, ...]
+    node: Joiner, peer: str, stage: int, parts: tuple[StatePart, ...]
 ) -> tuple[StateTransfer, state.TensorMap]:
     request = StateRequest(node.spec.run_id, stage, parts)
     meta, tensors = await node.transport.call(
@@ -87,10 +83,11 @@ async def fetch(
 
 
 async def fetch_any(
-    node: Node, stage: int, parts: tuple[StatePart, ...]
+    node: Joiner, stage: int, parts: tuple[StatePart, ...]
 ) -> tuple[StateTransfer, state.TensorMap]:
     """State from one live node of `stage`, trying donors in random order (spreads newcomers over donors)."""
-    donors = await (live_peers(node, stage) if stage == node.stage else trained_peers(node, stage))
+    peers = live_peers if stage == node.stage else trained_peers
+    donors = await peers(node.transport, node.snapshot, node.me, stage)
     node.rng.shuffle(donors)
     for donor in donors:
         try:
@@ -100,23 +97,22 @@ async def fetch_any(
     raise RecoveryFailed(f"no live node of stage {stage} provided {', '.join(parts)}")
 
 
-def swarm_has_trained(node: Node) -> bool:
-    return any(peer.record.step > 0 for peers in node.snapshot.stages.values() for peer in peers)
+def swarm_has_trained(view: Snapshot) -> bool:
+    return any(peer.record.step > 0 for peers in view.stages.values() for peer in peers)
 
 
-async def obtain_state(node: Node) -> tuple[Recovery, dict[str, Any]] | None:
+async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
     """Give `node` its stage's state before it goes online. Returns the plan it followed and the evidence
     (the sources' tensors and grad norms, and what was loaded); None for a fresh start."""
     spec = node.spec
-    if not swarm_has_trained(node):
+    view = node.snapshot
+    if not swarm_has_trained(view):
         return None
-    alive = {k for k in range(spec.stages + 1) if await trained_peers(node, k)}
-    if await live_peers(node, node.stage):
+    alive = {k for k in range(spec.stages + 1) if await trained_peers(node.transport, view, node.me, k)}
+    if await live_peers(node.transport, view, node.me, node.stage):
         alive.add(node.stage)  # a replica of this node's own stage is copied whatever its history
     holders = {
-        part: any(
-            part in peer.record.copies for peer in node.snapshot.stages.get(k, ()) if peer.peer_id != node.me
-        )
+        part: any(part in peer.record.copies for peer in view.stages.get(k, ()) if peer.peer_id != node.me)
         for part, k in ((StatePart.EMBEDDING_COPY, 1), (StatePart.HEAD_COPY, spec.stages))
     }
     plan = plan_recovery(
@@ -160,22 +156,20 @@ def _evidence(header: StateTransfer, tensors: state.TensorMap) -> dict[str, Any]
     return {"stage": header.stage, "step": header.step, "grad_norm": header.grad_norm, "tensors": tensors}
 
 
-RECOVERY_ATTEMPTS = 3
-
-
-async def recover(node: Node) -> None:
-    """Run `obtain_state` and report it: a `recovered` event and the record's recovery fields.
+async def recover(node: Joiner) -> tuple[str, float] | None:
+    """Run `obtain_state` and report it in a `recovered` event; returns the method and its seconds for the
+    node's record (None for a fresh start).
 
     A donor that dies between the ping and the fetch, or sends state that does not fit, costs an attempt:
     the view is read again and the plan made again; after `RECOVERY_ATTEMPTS` the stage is re-initialised,
-    said plainly."""
+    said plainly. Any other error is a bug and propagates."""
     started = time.monotonic()
     outcome = None
     for attempt in range(1, RECOVERY_ATTEMPTS + 1):
         try:
             outcome = await obtain_state(node)
             break
-        except (RecoveryFailed, TransportError, ProtocolError, state.StateMismatch, RuntimeError) as error:
+        except (RecoveryFailed, TransportError, ProtocolError, state.StateMismatch) as error:
             logger.warning("recovery attempt %d of stage %d failed: %s", attempt, node.stage, error)
             await node.refresh_snapshot()
     else:
@@ -183,7 +177,7 @@ async def recover(node: Node) -> None:
         logger.warning("%s", why)
         outcome = (Recovery(node.stage, Method.REINIT, (), True, 1.0, why), {"sources": [], "loaded": {}})
     if outcome is None:
-        return
+        return None
     plan, evidence = outcome
     seconds = time.monotonic() - started
     if node.dump_dir is not None:
@@ -192,9 +186,9 @@ async def recover(node: Node) -> None:
             {"stage": node.stage, "method": str(plan.method), **evidence},
             node.dump_dir / f"recovery-stage{node.stage}-{node.me[-8:]}.pt",
         )
-    node.recovery = (str(plan.method), seconds)
     if plan.method == Method.REINIT:
         logger.warning("%s", plan.reason)
     emit(
         "recovered", stage=node.stage, method=str(plan.method), seconds=round(seconds, 3), reason=plan.reason
     )
+    return str(plan.method), seconds

@@ -18,8 +18,8 @@ from swarmnode.dht import SwarmDHT
 from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
 from swarmnode.node.events import emit
+from swarmnode.node.liveness import answering
 from swarmnode.node.planning import Snapshot
-from swarmnode.node.recovery import answering
 from swarmnode.node.stage import StageNode
 from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec

@@ -14,10 +14,10 @@ from torch import Tensor
 from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
 from protocols.stepbook import MicrobatchKey, StepBook
 from swarmnode.dht import SwarmDHT
-from swarmnode.node import recovery
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
 from swarmnode.node.daemon import Node
+from swarmnode.node.liveness import live_peers
 from swarmnode.node.worker import MissingActivations, StageWorker
 from swarmnode.runspec import RunSpec
 
@@ -62,7 +62,7 @@ class StageNode(Node):
             return
         await asyncio.sleep(self.rng.uniform(0.0, REBALANCE_S / 2))
         lost = await self._lost_stages()
-        others = await recovery.live_peers(self, self.stage)
+        others = await live_peers(self.transport, self.snapshot, self.me, self.stage)
         if lost and others and self.me < min(others):
             self.move_to = lost[0]
             logger.warning("stage %d lost; moving there from over-replicated stage %d", lost[0], self.stage)
@@ -73,7 +73,11 @@ class StageNode(Node):
         served yet (a swarm still forming) is not lost."""
         stages = [k for k in range(1, self.spec.stages + 1) if k != self.stage]
         self._served |= {k for k in stages if self.snapshot.online(k)}
-        return [k for k in stages if k in self._served and not await recovery.live_peers(self, k)]
+        return [
+            k
+            for k in stages
+            if k in self._served and not await live_peers(self.transport, self.snapshot, self.me, k)
+        ]
 
     async def _on_forward(
         self, peer: str, message: Forward, tensors: list[Tensor]

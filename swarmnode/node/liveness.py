@@ -1,0 +1,43 @@
+"""Is a peer alive, and serving which stage? Ask it: a DHT record outlives its node by up to its TTL, but a
+ping to a dead peer fails in milliseconds (a frozen one within `PING_TIMEOUT_S`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hivemind.p2p import PeerID
+
+from protocols.errors import ProtocolError
+from protocols.messages import Pong, Rpc, decode
+from swarmnode.node.planning import Snapshot
+from swarmnode.transport import Transport, TransportError
+
+PING_TIMEOUT_S = 1.0
+
+
+async def ping(transport: Transport, peer: str, stage: int | None = None) -> bool:
+    """Whether `peer` answers now (and, if `stage` is given, serves that stage)."""
+    try:
+        reply, _ = await transport.call(PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=PING_TIMEOUT_S)
+        answer = decode(reply, Pong)
+    except (TransportError, ProtocolError, ValueError):
+        return False
+    return stage is None or answer.stage == stage
+
+
+async def answering(transport: Transport, peers: list[str], stage: int | None = None) -> list[str]:
+    """The peers among `peers` that answer a ping now (serving `stage`, if given)."""
+    answers = await asyncio.gather(*(ping(transport, p, stage) for p in peers))
+    return [p for p, alive in zip(peers, answers, strict=True) if alive]
+
+
+async def live_peers(transport: Transport, view: Snapshot, me: str, stage: int) -> list[str]:
+    """Online peers of `stage` in `view` (other than `me`) that answer a ping now and still serve it."""
+    return await answering(transport, [p for p in view.online(stage) if p != me], stage)
+
+
+async def trained_peers(transport: Transport, view: Snapshot, me: str, stage: int) -> list[str]:
+    """Live peers of `stage` that may serve as a rebuild source: not freshly re-initialised (a stage served
+    only by a `reinit` node holds random weights, which an average must not take in)."""
+    fresh = {p.peer_id for p in view.stages.get(stage, ()) if p.record.recovery == "reinit"}
+    return [p for p in await live_peers(transport, view, me, stage) if p not in fresh]
