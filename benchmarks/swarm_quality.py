@@ -10,7 +10,9 @@ to the nearest multiple of 25, as a data node that catches up with the swarm clo
 and averaged there over the data nodes), so the swarm's loss is its validation loss at data-node step N.
 
 The reference is the single-process trainer (`swarmnode.trainer.train`, same preset, stages and seed, its
-default validation batches, the same ones the data nodes evaluate), run in this process with one torch
+default validation batches, the same ones the data nodes evaluate; with the same seed it reads the same
+batches in the same order as a swarm's lone data node, so the 1xR rows compare pairwise: the loss moves by
+several percent from seed to seed with the data order alone), run in this process with one torch
 thread (a daemon's budget: two threads ran ten times slower on a busy 2-core machine). Its learning-rate
 schedule (warm-up, then cosine decay to the last step) depends on the run's length, so it trains once per
 length it is compared at, each a complete run like the swarm's own:
@@ -30,6 +32,7 @@ validation loss at step N) are counted as such and left out of the figures; thei
     python benchmarks/swarm_quality.py                    # 1x1, 2x1, 1x2, 2x2, 2x3; CheckFree+ on and off
     python benchmarks/swarm_quality.py --configs 1x1,2x2 --seeds 0 --checkfree-plus on --steps 50 \\
         --json out.json --plot quality.png --markdown quality.md
+    python benchmarks/swarm_quality.py --swarm-runs out.json --markdown quality.md   # re-tabulate only
 
 How long it takes, on two cores: each swarm run of 100 steps takes about 80-100 s, so the default matrix
 (5 configurations x 2 CheckFree+ settings x 3 seeds = 30 runs) takes about 45-50 minutes; the trainer's
@@ -418,6 +421,47 @@ def plot(
     figure.savefig(path, dpi=100)
 
 
+def run_swarms(plan: list[tuple[SwarmShape, bool, int]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every planned swarm, one after the other."""
+    base = args.out_dir if args.out_dir is not None else Path(mkdtemp(prefix="swarm-quality-"))
+    base.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for n, (shape, checkfree_plus, seed) in enumerate(plan, 1):
+        run = swarm_run(shape, seed, checkfree_plus, args, args.n_stages, base)
+        runs.append(run)
+        val = "-" if run["val_at_steps"] is None else f"{run['val_at_steps']:.3f}"
+        print(
+            f"# run {n}/{len(plan)}: {shape.name} CheckFree+ {label(checkfree_plus)} seed {seed}: "
+            f"{run['outcome']}, validation {val}, {run['process_seconds']:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    if args.out_dir is None and not args.keep and not any(base.iterdir()):
+        base.rmdir()
+    else:
+        print(f"# swarm outputs in {base}", file=sys.stderr)
+    return runs
+
+
+def earlier_runs(path: Path, plan: list[tuple[SwarmShape, bool, int]]) -> list[dict[str, Any]]:
+    """The planned runs out of an earlier `--json` file; SystemExit naming the first one it lacks."""
+    try:
+        stored = json.loads(path.read_text())["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"--swarm-runs {path}: no runs to read ({error})") from None
+    by_key = {(run["config"], run["checkfree_plus"], run["seed"]): run for run in stored}
+    runs = []
+    for shape, checkfree_plus, seed in plan:
+        run = by_key.get((shape.name, checkfree_plus, seed))
+        if run is None:
+            raise SystemExit(
+                f"--swarm-runs {path} has no run of {shape.name}, CheckFree+ "
+                f"{label(checkfree_plus)}, seed {seed}"
+            )
+        runs.append(run)
+    return runs
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="DxR list, comma separated")
@@ -438,6 +482,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
     parser.add_argument("--plot", type=Path, default=None, help="also plot the validation curves to this PNG")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    parser.add_argument(
+        "--swarm-runs",
+        type=Path,
+        default=None,
+        help="take the swarm runs from an earlier --json file instead of running them (the trainer reruns)",
+    )
     args = parser.parse_args()
     try:
         args.shapes = list(dict.fromkeys(parse_shape(text) for text in args.configs.split(",")))
@@ -478,25 +528,10 @@ def main() -> None:
                 flush=True,
             )
 
-    base = args.out_dir if args.out_dir is not None else Path(mkdtemp(prefix="swarm-quality-"))
-    base.mkdir(parents=True, exist_ok=True)
     plan = [(shape, cfp, seed) for cfp in args.settings for shape in shapes for seed in seeds]
-    runs = []
-    for n, (shape, checkfree_plus, seed) in enumerate(plan, 1):
-        run = swarm_run(shape, seed, checkfree_plus, args, args.n_stages, base)
-        runs.append(run)
-        val = "-" if run["val_at_steps"] is None else f"{run['val_at_steps']:.3f}"
-        print(
-            f"# run {n}/{len(plan)}: {shape.name} CheckFree+ {label(checkfree_plus)} seed {seed}: "
-            f"{run['outcome']}, validation {val}, {run['process_seconds']:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-    if args.out_dir is None and not args.keep and not any(base.iterdir()):
-        base.rmdir()
-    else:
-        print(f"# swarm outputs in {base}", file=sys.stderr)
+    runs = run_swarms(plan, args) if args.swarm_runs is None else earlier_runs(args.swarm_runs, plan)
 
+    rows = summarise(runs, shapes, args.settings, seeds, trainer, steps)
     rows = summarise(runs, shapes, args.settings, seeds, trainer, steps)
     tables = [
         f"Validation loss at data-node step {steps} ({args.preset}, {args.n_stages} stages, seeds "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from swarmnode.data import Corpus, batches, load_corpus, val_batches, validation_set
+from swarmnode.data import Corpus, batches, data_node_tokens, load_corpus, val_batches, validation_set
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import DataPiece, build_piece
 from swarmnode.presets import Preset, get_preset
@@ -100,7 +100,10 @@ def train(
     )
     initial_val = evaluate(data_piece, stages, fixed_val)
     val_loss = initial_val
-    stream = batches(corpus.train_tokens, preset.batch_size, preset.seq_len, seed=config.seed)
+    # what the data node of a swarm with one data node reads, in the same order, so that a swarm and this
+    # trainer with the same seed see the same batches (their losses are then compared pairwise)
+    tokens, order = data_node_tokens(corpus.train_tokens, (0, 1), config.seed, "")
+    stream = batches(tokens, preset.batch_size, preset.seq_len, seed=order)
     tokens_per_step = preset.microbatches * preset.batch_size * preset.seq_len
 
     losses: list[float] = []
