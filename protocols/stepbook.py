@@ -6,10 +6,12 @@ its gradient or abort? step now?). Time comes in as arguments; nothing here touc
 
 Groups. A group is one data node's iteration, `(origin, iteration)`. Each forward says how many of the
 group's microbatches the plan sends through this node (`expected`); the group is complete once that many (or
-as many as actually arrived, if re-routing sent more) have finished their backward pass or were aborted. The
-node steps when every group it knows of is complete or expired and nothing is held, so no global barrier is
-needed and no microbatch is applied twice; the step names the latest iteration it applies, the swarm-clock
-tick its learning rate belongs to. An abort may arrive before any forward of its group (the microbatch died
+as many as actually arrived, if re-routing sent more or the data node moved on to a later iteration) have
+finished their backward pass or were aborted. The
+node steps when nothing is held and the groups of the oldest iterations it knows of are complete or
+expired, and a forward of a newer iteration waits for that step, so each step belongs to one tick of the
+swarm clock (the latest iteration it applies names the tick's learning rate), no global barrier is needed
+and no microbatch is applied twice. An abort may arrive before any forward of its group (the microbatch died
 upstream, and this node is further down its path): it is remembered for one expiry period, so that the
 group does not wait for the microbatch that never will arrive.
 
@@ -92,6 +94,9 @@ class StepBook:
         key = MicrobatchKey(*key)
         if key.group in self._closed:
             return False
+        for (origin, iteration), older in self._groups.items():
+            if origin == key.origin and iteration < key.iteration:
+                older.expected = 0  # its data node moved on: what did not arrive here went elsewhere or died
         state = self._groups.get(key.group)
         if state is None:
             state = self._groups[key.group] = _GroupState(created=now)
@@ -138,19 +143,26 @@ class StepBook:
         return frozenset(self._taken)
 
     def ready(self, held: int, now: float) -> StepDecision | None:
-        """A step decision if this node should step now (nothing held, every group complete), else None.
-        A decision closes its groups: their late messages are refused from then on."""
-        if held or not self._groups or not all(state.complete for state in self._groups.values()):
+        """A step decision if this node should step now, else None: nothing is held, and the complete groups
+        of iterations older than every open group are stepped (the forwards of a newer iteration wait for
+        that step: `waits`). A decision closes its groups: their late messages are refused from then on."""
+        oldest_open = min((iteration for (_, iteration) in self.open_groups), default=None)
+        due = [
+            group
+            for group, state in self._groups.items()
+            if state.complete and (oldest_open is None or group[1] < oldest_open)
+        ]
+        if held or not due:
             return None
-        applied = [group for group, state in self._groups.items() if state.applied]
+        applied = [group for group in due if self._groups[group].applied]
         decision = StepDecision(
             groups=len(applied),
-            applied=sum(state.applied for state in self._groups.values()),
+            applied=sum(self._groups[group].applied for group in due),
             iteration=max((iteration for _, iteration in applied), default=None),
         )
-        for group in self._groups:
+        for group in due:
             self._closed[group] = now
-        self._groups.clear()
+            del self._groups[group]
         horizon = now - FORGET_AFTER_EXPIRIES * self.expiry_s
         for group in [g for g, closed in self._closed.items() if closed < horizon]:
             del self._closed[group]
@@ -164,6 +176,13 @@ class StepBook:
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, tuple) and len(key) == 3 and MicrobatchKey(*key) in self._taken
+
+    def waits(self, iteration: int) -> bool:
+        """Whether a forward of `iteration` must wait before it runs: a group of an older iteration is still
+        open or not stepped yet. So a node takes one step per iteration (the swarm clock's tick) rather than
+        one for several, whatever the timing: a data node starts its next iteration as soon as its gradients
+        are back, often before the nodes downstream have stepped."""
+        return any(older < iteration for (_, older) in self._groups)
 
     @property
     def open_groups(self) -> set[Group]:

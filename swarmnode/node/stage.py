@@ -27,6 +27,7 @@ REBALANCE_S = 5.0
 
 
 ORIGIN_REFRESH_S = 1.0  # at most one DHT read a second for forwards from a data node not in the view
+TICK_WAIT_S = 5.0  # a forward waits at most this long for the step of an older iteration, then runs anyway
 BACKLOG_ITERATIONS = 4  # microbatches held or queued beyond this many iterations' worth are refused (BUSY)
 
 
@@ -44,6 +45,7 @@ class StageNode(Node):
         self._origins_read_at = -math.inf
         self._origins_read: asyncio.Future[None] | None = None  # the DHT read forwards from new origins await
         self._copies_at = 0  # the clock at the last refresh of the CheckFree+ copies
+        self._stepped = asyncio.Condition()  # notified whenever a step closes groups (`StepBook.waits`)
 
     async def start(self) -> None:
         await super().start()
@@ -100,7 +102,6 @@ class StageNode(Node):
         if not self.book.take(key, message.path[: message.hop], expected, time.monotonic()):
             raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
         self.spawn(self._forward(message, key, hidden), "forward")
-        await self.tick(message.iteration)
         return encode(Ack()), []
 
     async def _is_data_node(self, peer: str) -> bool:
@@ -134,6 +135,15 @@ class StageNode(Node):
         return self.book.may_abort(key, peer)
 
     async def _forward(self, message: Forward, key: MicrobatchKey, hidden: Tensor) -> None:
+        if self.book.waits(key.iteration):  # one step per tick: the older iterations' step comes first
+            async with self._stepped:
+                try:
+                    await asyncio.wait_for(
+                        self._stepped.wait_for(lambda: not self.book.waits(key.iteration)), TICK_WAIT_S
+                    )
+                except TimeoutError:
+                    logger.warning("microbatch %s ran before the step of an older iteration", key)
+        await self.tick(key.iteration)  # after the older step: an outer step it starts includes that step
         now = time.monotonic()
         output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
         self.tokens_processed += hidden.shape[0] * hidden.shape[1]
@@ -196,9 +206,23 @@ class StageNode(Node):
         await self.maybe_step()
 
     async def maybe_step(self) -> None:
+        """Step for every tick whose groups are done (`StepBook.ready`), then let the forwards of the next
+        tick run; also drop what expired groups left held, and take a pending outer update when idle."""
         if self._stepping:
             return
-        await self.tick(self.snapshot.clock())
+        self._stepping = True
+        try:
+            clock = self.snapshot.clock()
+            if not self.book.waits(clock):  # else the step of the older iterations moves the clock first
+                await self.tick(clock)
+            while await self._step_due():
+                async with self._stepped:
+                    self._stepped.notify_all()
+        finally:
+            self._stepping = False
+
+    async def _step_due(self) -> bool:
+        """One step if one is due; whether one was (the book closed groups)."""
         now = time.monotonic()
         # before any await: a microbatch taken meanwhile belongs to a group that is open, and its forward job,
         # submitted after the drop job below, runs after it (the drop's priority is higher)
@@ -211,21 +235,18 @@ class StageNode(Node):
             if self.outer.has_pending and not self.worker.in_flight and not self.book.open_groups:
                 # a replica that gets no microbatch for a while still takes its outer steps
                 await self.compute.submit(Priority.STEP, self.outer.apply_pending)
-            return
-        self._stepping = True
-        try:
-            if decision.iteration is not None:
-                at = decision.iteration
-                norm = await self.compute.submit(Priority.STEP, lambda: self._step(decision.groups, at))
-                if norm is not None and not math.isfinite(norm):
-                    logger.warning("non-finite gradient norm: update skipped")
-                await self.outer_step_if_due()
-                clock = self.optimizer.step_count
-                if self.copy_parts and clock >= self._copies_at + self.spec.copy_refresh_steps:
-                    self._copies_at = clock
-                    self.spawn(self.refresh_copies(), "copies")
-        finally:
-            self._stepping = False
+            return False
+        if decision.iteration is not None:
+            at = decision.iteration
+            norm = await self.compute.submit(Priority.STEP, lambda: self._step(decision.groups, at))
+            if norm is not None and not math.isfinite(norm):
+                logger.warning("non-finite gradient norm: update skipped")
+            await self.outer_step_if_due()
+            clock = self.optimizer.step_count
+            if self.copy_parts and clock >= self._copies_at + self.spec.copy_refresh_steps:
+                self._copies_at = clock
+                self.spawn(self.refresh_copies(), "copies")
+        return True
 
     def _step(self, groups: int, at: int) -> float:
         norm = self.worker.step(1.0 / groups, at)

@@ -147,3 +147,41 @@ def test_plain_tuples_name_the_same_microbatch() -> None:
     assert book.take(("d", 0, 0), ("d",), expected=1, now=0.0)  # type: ignore[arg-type]
     assert ("d", 0, 0) in book and key("d", 0, 0) in book
     assert key("d", 0, 0).group == ("d", 0)
+
+
+def test_a_newer_iterations_forward_waits_for_the_older_step_and_does_not_block_it() -> None:
+    # one data node: it starts iteration 1 as soon as its gradients are back, before this node stepped
+    book = StepBook(expiry_s=30.0)
+    assert book.take(key("d", 0, 0), ("d",), expected=1, now=0.0)
+    book.finish(key("d", 0, 0), applied=True, now=0.1)
+    assert book.take(key("d", 1, 0), ("d",), expected=1, now=0.2)  # taken, not run yet
+    assert book.waits(1) and not book.waits(0)
+    decision = book.ready(held=0, now=0.3)  # iteration 0 steps alone: iteration 1 is open, not held
+    assert decision is not None and (decision.groups, decision.iteration) == (1, 0)
+    assert not book.waits(1) and book.ready(held=1, now=0.4) is None
+    book.finish(key("d", 1, 0), applied=True, now=0.5)
+    decision = book.ready(held=0, now=0.6)
+    assert decision is not None and decision.iteration == 1
+
+
+def test_groups_of_two_data_nodes_in_one_iteration_step_together() -> None:
+    book = StepBook(expiry_s=30.0)
+    for origin in ("a", "b"):
+        assert book.take(key(origin, 4, 0), (origin,), expected=1, now=0.0)
+    book.finish(key("a", 4, 0), applied=True, now=0.1)
+    assert book.take(key("a", 5, 0), ("a",), expected=1, now=0.2)  # a moved on; b's microbatch is held
+    assert book.waits(5) and book.ready(held=1, now=0.3) is None
+    book.finish(key("b", 4, 0), applied=True, now=0.4)
+    decision = book.ready(held=0, now=0.5)
+    assert decision is not None and (decision.groups, decision.applied, decision.iteration) == (2, 2, 4)
+
+
+def test_a_data_node_that_moved_on_expects_nothing_more_of_its_older_iteration() -> None:
+    # two microbatches were planned through this node; one was re-routed elsewhere and never arrives
+    book = StepBook(expiry_s=30.0)
+    assert book.take(key("d", 7, 0), ("d",), expected=2, now=0.0)
+    book.finish(key("d", 7, 0), applied=True, now=0.1)
+    assert book.ready(held=0, now=0.2) is None  # still expecting the second one
+    assert book.take(key("d", 8, 0), ("d",), expected=1, now=0.3)  # the data node finished iteration 7
+    decision = book.ready(held=0, now=0.4)
+    assert decision is not None and decision.iteration == 7
