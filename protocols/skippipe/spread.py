@@ -60,3 +60,27 @@ def granted(paths: Paths, view: SwarmView, draws: Draws) -> Paths:
         _, mb, i = min(options)
         paths[mb] = (*paths[mb][:i], target, *paths[mb][i + 1 :])
     return paths
+
+
+def mix_replicas(paths: Paths, view: SwarmView, rng: random.Random) -> Paths:
+    """`paths` with the replicas of every replicated stage dealt out again at random over the microbatches
+    that visit that stage. Every replica keeps its number of visits (the plan's load and its memory use),
+    but which microbatch, and so which data node, visits which replica is drawn anew each iteration: a
+    collision-aware plan tends to give each data node a lane of its own through the replicas, and replicas
+    that only ever see one data node's batches are separate models averaged now and then (NoLoCo wants the
+    data of every data node mixed over all replicas)."""
+    mixed = {mb: list(path) for mb, path in paths.items()}
+    for stage in range(1, view.n_stages + 1):
+        if len(view.stages[stage]) < 2:
+            continue
+        slots = [
+            (mb, i)
+            for mb, path in sorted(mixed.items())
+            for i in range(1, len(path) - 1)
+            if view.stage_of[path[i]] == stage
+        ]
+        nodes = [mixed[mb][i] for mb, i in slots]
+        rng.shuffle(nodes)
+        for (mb, i), node in zip(slots, nodes, strict=True):
+            mixed[mb][i] = node
+    return {mb: tuple(path) for mb, path in mixed.items()}

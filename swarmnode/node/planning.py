@@ -12,13 +12,14 @@ the timing.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from protocols.checkfree import swap_edge_pairs, swaps_edge_pairs
 from protocols.errors import LocalProtocolError
 from protocols.messages import NodeState
-from protocols.skippipe import PathRules, SwarmView, full_pipeline_plan, schedule
+from protocols.skippipe import PathRules, SwarmView, full_pipeline_plan, mix_replicas, schedule
 from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
 
@@ -90,22 +91,24 @@ def plan_iteration(
         max_swaps=PathRules.max_swaps if skipping else 0,
         memory=spec.node_memory,
     )
+    seed = spec.seed * 1_000_003 + iteration
     try:
-        plan = schedule(view, rules, seed=spec.seed * 1_000_003 + iteration, restarts=2, rounds=60)
+        plan = schedule(view, rules, seed=seed, restarts=2, rounds=60)
     except LocalProtocolError:
         plan = full_pipeline_plan(view, rules)
+    paths = mix_replicas(plan.paths, view, random.Random(seed))
 
     mine = data_nodes.index(me)
     first = mine * spec.microbatches
     ids = range(first, first + spec.microbatches)
     visits: dict[int, int] = {}
     for mb in ids:
-        for node in set(plan.paths[mb][1:-1]):
+        for node in set(paths[mb][1:-1]):
             visits[node] = visits.get(node, 0) + 1
     stage_ids = (0, *alive)
     planned = []
     for mb in ids:
-        path = plan.paths[mb]
+        path = paths[mb]
         hops = path[1:-1]
         if spec.checkfree_plus and swaps_edge_pairs(spec.stages, iteration, mb):
             order = swap_edge_pairs(tuple(stage_ids[view.stage_of[node]] for node in hops), spec.stages)

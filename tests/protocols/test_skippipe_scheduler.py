@@ -19,6 +19,7 @@ from protocols.skippipe import (
     SwarmView,
     full_pipeline_plan,
     is_checkfree_plus,
+    mix_replicas,
     scenario_from_dict,
     schedule,
     skippipe_without_collision_avoidance,
@@ -203,3 +204,18 @@ def test_impossible_requests_raise(rules: PathRules, kwargs: dict) -> None:
     view = random_view(random.Random(5), 1, [1, 1, 1, 1, 1])
     with pytest.raises(LocalProtocolError):
         schedule(view, rules, 0, **kwargs)
+
+
+def test_mixing_replicas_keeps_every_load_and_moves_data_nodes_off_their_lanes() -> None:
+    # two data nodes of two microbatches, two replicas per stage: a lane per data node is collision-free
+    view = SwarmView.build([[0, 1], [2, 3], [4, 5]], [0.1] * 6, lambda a, b: 0.01)
+    lanes = {0: (0, 2, 4, 0), 1: (0, 2, 4, 0), 2: (1, 3, 5, 1), 3: (1, 3, 5, 1)}
+    seen: set[tuple[int, int]] = set()  # (data node, replica of stage 1) pairs over iterations
+    for seed in range(8):
+        mixed = mix_replicas(lanes, view, random.Random(seed))
+        assert sorted(node for path in mixed.values() for node in path[1:-1]) == [2, 2, 3, 3, 4, 4, 5, 5]
+        assert all(path[0] == lanes[mb][0] and path[-1] == lanes[mb][-1] for mb, path in mixed.items())
+        assert all(view.stage_of[path[1]] == 1 and view.stage_of[path[2]] == 2 for path in mixed.values())
+        seen |= {(path[0], path[1]) for path in mixed.values()}
+    assert seen == {(0, 2), (0, 3), (1, 2), (1, 3)}  # every data node reached every replica
+    assert mix_replicas(lanes, view, random.Random(3)) == mix_replicas(lanes, view, random.Random(3))
