@@ -216,10 +216,14 @@ def summary(result: SwarmResult) -> str:
         for method, entry in report["recoveries_by_method"].items()
     )
     speed = report["tokens_per_second"]
+    unrecovered = "".join(
+        f", stage {lost['stage']} lost at step {lost['lost_at_step']} and not rebuilt by the end"
+        for lost in report["stages_not_recovered"]
+    )
     outcome = "" if result.outcome is Outcome.COMPLETED else f"{result.outcome.value}: "
     return (
         f"{outcome}{report['steps_completed']} steps: loss {loss('initial_loss')} -> {loss('final_loss')}, "
         f"validation {loss('val_loss')}, {'?' if speed is None else f'{speed:.0f}'} tokens/s, "
-        f"{len(report['failures'])} failures, recoveries: {methods or 'none'}, "
+        f"{len(report['failures'])} failures, recoveries: {methods or 'none'}{unrecovered}, "
         f"{report['microbatches_lost']} microbatches lost"
     )

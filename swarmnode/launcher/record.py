@@ -58,6 +58,15 @@ class OuterSteps:
 
 
 @dataclass(frozen=True)
+class LostStage:
+    """A stage left with no node at `seconds` (from the launcher's start), at data-node step `step`."""
+
+    stage: int
+    seconds: float
+    step: int
+
+
+@dataclass(frozen=True)
 class CurvePoint:
     step: int
     loss: float
@@ -72,7 +81,7 @@ class RunRecord:
         self.failures: list[Failure] = []
         self.recoveries: list[Recovery] = []
         self.microbatches_lost = 0
-        self._lost_since: dict[int, float] = {}
+        self._lost_since: dict[int, LostStage] = {}
         self._losses: dict[int, list[float]] = defaultdict(list)
         self._step_times: dict[int, float] = {}
         self._vals: dict[int, list[float]] = defaultdict(list)
@@ -100,7 +109,7 @@ class RunRecord:
             case Recovered():
                 seconds = event.time - self.started
                 lost = self._lost_since.pop(event.stage, None)
-                downtime = None if lost is None else max(0.0, seconds - lost)
+                downtime = None if lost is None else max(0.0, seconds - lost.seconds)
                 recovery = Recovery(seconds, self.step, event.stage, event.method, event.seconds, downtime)
                 self.recoveries.append(recovery)
             case OuterStep():
@@ -122,7 +131,12 @@ class RunRecord:
 
     def stage_lost(self, when: float, stage: int) -> None:
         """Stage `stage` has no node left since unix time `when` (until a node reports recovering it)."""
-        self._lost_since.setdefault(stage, when - self.started)
+        self._lost_since.setdefault(stage, LostStage(stage, when - self.started, self.step))
+
+    @property
+    def unrecovered(self) -> list[LostStage]:
+        """The stages lost and not recovered (so far), by stage."""
+        return sorted(self._lost_since.values(), key=lambda lost: lost.stage)
 
     def loss_curve(self) -> list[CurvePoint]:
         return [

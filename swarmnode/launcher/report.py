@@ -60,6 +60,10 @@ def build_report(
             method: {"count": len(durations), "mean_seconds": statistics.fmean(durations)}
             for method, durations in sorted(by_method.items())
         },
+        "stages_not_recovered": [
+            {"stage": lost.stage, "lost_at_step": lost.step, "lost_at_seconds": round(lost.seconds, 3)}
+            for lost in record.unrecovered
+        ],
         "microbatches_lost": record.microbatches_lost,
         "noloco": {
             str(stage): {

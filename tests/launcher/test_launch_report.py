@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import swarmnode.status
+from swarmnode.cli.up import summary
 from swarmnode.launcher import observe
 from swarmnode.launcher.display import Display, StageCount, status_line
 from swarmnode.launcher.events import (
@@ -27,6 +28,7 @@ from swarmnode.launcher.events import (
 from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.record import RunRecord
 from swarmnode.launcher.report import build_report, plot_loss, write_report
+from swarmnode.launcher.swarm import Outcome, SwarmResult
 
 START = 1_700_000_000.0
 
@@ -188,6 +190,17 @@ def test_plot_of_a_run_without_steps(tmp_path: Path) -> None:
     report = build_report(record, "interrupted", "stopped by SIGINT at step 0", 3.0, {}, [])
     assert report["initial_loss"] is None and report["tokens_per_second"] is None
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_stage_never_rebuilt_is_reported(tmp_path: Path) -> None:
+    record = recorded_run()
+    record.add_failure(START + 41.0, 3, "12D3KooWgone", "s3r1", "planned")
+    record.stage_lost(START + 41.0, 3)  # no node reports recovering stage 3 before the run ends
+    report = build_report(record, "completed", "40 steps done", 45.0, {}, [])
+    assert report["stages_not_recovered"] == [{"stage": 3, "lost_at_step": 40, "lost_at_seconds": 41.0}]
+    line = summary(SwarmResult(Outcome.COMPLETED, "40 steps done", None, report))
+    assert "replica x1 (1.0 s), stage 3 lost at step 40 and not rebuilt by the end, 2 microbatches" in line
+    assert build_report(recorded_run(), "completed", "", 45.0, {}, [])["stages_not_recovered"] == []
 
 
 def test_status_line_and_stage_counts() -> None:

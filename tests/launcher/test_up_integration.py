@@ -22,7 +22,7 @@ LAUNCHER_TIMEOUT_S = 420  # `up --timeout`: the launcher stops itself (and its c
 def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
     pytest.importorskip("swarmnode.node", reason="the daemons (swarmnode.node) have not landed yet")
     out = tmp_path / "swarm"
-    argv = [sys.executable, "-m", "swarmnode", "up", "--steps", "40", "--kill", "2@10", "--out", str(out)]
+    argv = [sys.executable, "-m", "swarmnode", "up", "--steps", "100", "--kill", "2@5", "--out", str(out)]
     launcher = subprocess.Popen(
         [*argv, "--timeout", str(LAUNCHER_TIMEOUT_S)],
         stdout=subprocess.PIPE,
@@ -40,21 +40,22 @@ def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
     assert launcher.returncode == 0, stderr[-4000:]
-    assert stdout.startswith("40 steps: loss ")
+    assert stdout.startswith("100 steps: loss ")
 
     report = json.loads((out / "report.json").read_text())
-    assert report["outcome"] == "completed" and report["steps_completed"] == 40
+    assert report["outcome"] == "completed" and report["steps_completed"] == 100
     assert report["final_loss"] < report["initial_loss"]
     assert report["val_loss"] is not None and report["tokens_per_second"] > 0
-    assert report["settings"]["steps"] == 40
-    assert sorted((f["stage"], f["step"]) for f in report["failures"]) == [(2, 10), (2, 10)]  # both replicas
+    assert report["settings"]["steps"] == 100
+    assert sorted((f["stage"], f["step"]) for f in report["failures"]) == [(2, 5), (2, 5)]  # both replicas
     assert any(r["stage"] == 2 and r["method"] == "checkfree" for r in report["recoveries"]), report[
         "recoveries"
     ]
+    assert report["stages_not_recovered"] == []
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
 
     names = {node["name"] for node in report["nodes"]}
     assert {"bootstrap", "observer", "data1", "data2", "s1r1", "s1r2", "s3r2"} <= names
     assert [node["name"] for node in report["nodes"] if group_running(node["pid"])] == []  # no p2pd, no DHT
-    assert "all 8 nodes joined" in stderr and "completed: 40 steps done" in stderr
+    assert "all 8 nodes joined" in stderr and "completed: 100 steps done" in stderr
     assert "stage 2 lost" in stderr
