@@ -16,6 +16,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from protocols.messages import NodeRecord, encode
+from swarmnode import msgpack_guard
 from swarmnode.records import (
     MAX_STAGES,
     PeerRecord,
@@ -99,6 +100,7 @@ class SwarmDHT:
         client_mode: bool = False,
     ) -> None:
         self.run_id = run_id
+        msgpack_guard.install()  # before the DHT process forks: hivemind's own handlers decode peer bytes
         self._signer, checker = make_validators(run_id)
         try:
             self.dht = hivemind.DHT(

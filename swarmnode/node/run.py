@@ -19,6 +19,7 @@ from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
 from swarmnode.node.events import emit
 from swarmnode.node.liveness import answering
+from swarmnode.node.orphans import adopt_orphans, end_orphans
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.stage import StageNode
 from swarmnode.records import PeerRecord
@@ -28,6 +29,7 @@ from swarmnode.transport import Transport
 logger = logging.getLogger(__name__)
 
 RUN_WAIT_S = 60.0
+DHT_CHECK_S = 1.0  # how often a daemon checks that its DHT process still runs
 CLAIM_SETTLE_S = 0.5  # DHT stores take ~10-25 ms on loopback; half a second covers a loaded machine
 
 
@@ -132,6 +134,7 @@ async def run_join(options: JoinOptions) -> int:
     if options.threads:
         torch.set_num_threads(options.threads)
     started = time.monotonic()
+    adopt_orphans()  # a DHT process that crashes leaves its p2pd to this process, which ends it
     threading.Thread(target=_warm_torch, name="warm-torch", daemon=True).start()
     dht = SwarmDHT(options.run_id, options.initial_peers, options.host, options.port, options.public)
     emit("joining", phase="dht", seconds=round(time.monotonic() - started, 3))
@@ -144,10 +147,15 @@ async def run_join(options: JoinOptions) -> int:
         next_stage: int | None = stage
         while next_stage is not None:
             node = await _build_announced(options, spec, dht, next_stage)
+            watchdog = asyncio.create_task(_watch_dht(dht, node))
             try:
                 await _serve(node)
             finally:
+                watchdog.cancel()
                 await node.close()
+            if not dht.alive:
+                end_orphans()
+                return 1
             next_stage = node.move_to
             if next_stage is not None:
                 emit("moving", from_stage=node.stage, to_stage=next_stage)
@@ -186,6 +194,20 @@ def _build_node(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) 
         node = StageNode(spec, stage, dht, direct, rebalance=options.rebalance)
     node.dump_dir = options.dump_recovery
     return node
+
+
+async def _watch_dht(dht: SwarmDHT, node: Node) -> None:
+    """Stop `node` if its DHT process dies: without it the node can neither publish its record nor see the
+    swarm, and would live on as a zombie that peers route to until its record expires."""
+    while dht.alive:
+        await asyncio.sleep(DHT_CHECK_S)
+    logger.error(
+        "the DHT process (pid %s) ended with exit code %s; this node can no longer publish its record. "
+        "Stopping: start it again to rejoin the swarm",
+        dht.dht.pid,
+        dht.dht.exitcode,
+    )
+    node.stop()
 
 
 async def _serve(node: Node) -> None:

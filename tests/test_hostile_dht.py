@@ -1,0 +1,173 @@
+"""Hostile bytes on the DHT: a ~700-byte msgpack value nested 200 deep used to crash the DHT process of any
+node that decoded it (a C stack overflow, before any validator ran). Now every decoder refuses it, and a
+daemon whose DHT process dies anyway stops with a clear message instead of living on as a zombie.
+
+The attacker is a real libp2p peer (hivemind's P2P and p2pd) speaking hivemind's DHT protocol to real
+daemons: the bootstrap and a stage node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import dht_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from procinfo import group_members
+from swarm_harness import LocalTestSwarm, NodeProcess, poll
+
+from swarmnode import msgpack_guard
+from swarmnode.node.orphans import live_children
+from swarmnode.records import SwarmRecordValidator, decode_run, run_key, stage_key
+from swarmnode.runspec import RunSpecError
+
+TUPLE_EXT = 0x40  # hivemind's extension type for tuples
+STORE = "DHTProtocol.rpc_store"  # hivemind's handler name for DHT stores
+
+
+def nested(depth: int) -> bytes:
+    """`[1]` wrapped `depth` times in hivemind's tuple extension: 714 bytes at depth 200."""
+    value = msgpack.packb([1])
+    for _ in range(depth):
+        value = msgpack.packb(msgpack.ExtType(TUPLE_EXT, value))
+    return value
+
+
+BOMB = nested(200)
+
+
+def test_the_bomb_is_small_and_crashes_an_unguarded_decoder() -> None:
+    """The attack is real here: without the guard, decoding it kills the process (SIGSEGV), not an error."""
+    assert len(BOMB) < 1000
+    script = (
+        "import sys; from hivemind.utils import MSGPackSerializer; "
+        "MSGPackSerializer.loads(sys.stdin.buffer.read())"
+    )
+    crashed = subprocess.run([sys.executable, "-c", script], input=BOMB, capture_output=True, timeout=60)
+    assert crashed.returncode == -signal.SIGSEGV
+    guarded = subprocess.run(
+        [sys.executable, "-c", "from swarmnode import msgpack_guard; msgpack_guard.install(); " + script],
+        input=BOMB,
+        capture_output=True,
+        timeout=60,
+    )
+    assert guarded.returncode == 1 and b"NestingTooDeep" in guarded.stderr
+
+
+def test_guarded_decoders_refuse_deep_nesting_and_keep_shallow_values() -> None:
+    msgpack_guard.install()
+    assert msgpack_guard.installed()
+    with pytest.raises(msgpack_guard.NestingTooDeep):
+        MSGPackSerializer.loads(BOMB)
+    shallow = (1, (2, (3, ("x",))), [4])
+    assert MSGPackSerializer.loads(MSGPackSerializer.dumps(shallow)) == shallow
+    assert MSGPackSerializer.loads(nested(msgpack_guard.MAX_EXT_DEPTH)) is not None
+    with pytest.raises(RunSpecError):
+        decode_run(BOMB)
+    validator = SwarmRecordValidator("bombed")
+    for key in (stage_key("bombed", 1), run_key("bombed")):
+        key_id = DHTID.generate(source=key).to_bytes()
+        owned = MSGPackSerializer.dumps(b"12D3KooW" + RSASignatureValidator().local_public_key)
+        assert not validator.validate(DHTRecord(key_id, BOMB, b"x", get_dht_time() + 10))
+        assert not validator.validate(DHTRecord(key_id, owned, BOMB, get_dht_time() + 10))
+
+
+async def _attack(victims: list[str], maddrs: list[str], run_id: str) -> int:
+    """Send every store that carries the bomb to each victim; returns how many requests were answered
+    with an error (the victim refused them) rather than a crash."""
+    p2p = await P2P.create(initial_peers=maddrs)
+    refused = 0
+    try:
+        for victim in victims:
+            peer = PeerID.from_base58(victim)
+            expiry = get_dht_time() + 30
+            stage = DHTID.generate(source=stage_key(run_id, 1)).to_bytes()
+            other = DHTID.generate(source="anything").to_bytes()
+            for key, subkey, value in (
+                (other, DHTProtocol.IS_DICTIONARY, BOMB),  # a whole-dictionary store, before any validator
+                (other, BOMB, b"value"),  # a subkey, decoded by the signature validator
+                (stage, BOMB, b"value"),  # our run's key: our validator decodes the subkey
+                (stage, MSGPackSerializer.dumps(b"x"), BOMB),  # ...and the value
+            ):
+                request = dht_pb2.StoreRequest(
+                    keys=[key], subkeys=[subkey], values=[value], expiration_time=[expiry], in_cache=[False]
+                )
+                try:
+                    response = await asyncio.wait_for(
+                        p2p.call_protobuf_handler(peer, STORE, request, dht_pb2.StoreResponse), 10
+                    )
+                    refused += not any(response.store_ok)
+                except Exception:  # hivemind answers a failed handler with an error
+                    refused += 1
+    finally:
+        await p2p.shutdown()
+    return refused
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
+    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"bomb{uuid.uuid4().hex[:10]}")
+    try:
+        yield harness
+    finally:
+        harness.close()
+        harness.remove_leftover_sockets()
+        assert not harness.left_behind, f"processes left behind: {harness.left_behind}"
+
+
+def _peer_id(node: NodeProcess) -> str:
+    return node.events("online")[0]["peer_id"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_stranger_cannot_crash_a_daemon_with_deep_msgpack(swarm: LocalTestSwarm) -> None:
+    bootstrap = swarm.bootstrap(steps=1)
+    node = swarm.join(1)
+    swarm.wait_online(node)
+    before = {node.name: group_members([node.pgid]), bootstrap.name: group_members([bootstrap.pgid])}
+    maddrs = swarm.peers_file.read_text().split()
+    victims = [_peer_id(node), maddrs[0].rsplit("/p2p/", 1)[1]]
+
+    refused = asyncio.run(_attack(victims, maddrs, swarm.run_id))
+
+    assert refused == 8  # four bombs, two victims: each refused
+    for process in (bootstrap, node):
+        process.check_alive()
+        assert group_members([process.pgid]) == before[process.name]  # the DHT process and p2pd live on
+    summary = swarm.status()  # the swarm still reads: the node's DHT publishes its record
+    assert [p["peer_id"] for s in summary["stages"] if s["stage"] == 1 for p in s["peers"]] == [victims[0]]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_daemon_whose_dht_process_dies_stops_and_leaves_nothing(swarm: LocalTestSwarm) -> None:
+    swarm.bootstrap(steps=1)
+    node = swarm.join(1)
+    swarm.wait_online(node)
+    forked = [
+        pid for pid in live_children(node.pid) if b"swarmnode" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(forked) == 1, forked  # the DHT process (its p2pd is its own child)
+    dht_process = forked
+    killed_at = time.monotonic()
+    os.kill(dht_process[0], signal.SIGKILL)  # as a crash would
+
+    assert node.wait_exit(30) == 1
+    assert time.monotonic() - killed_at < 10
+    assert "the DHT process" in node.stderr_tail() and "Stopping" in node.stderr_tail()
+    poll(lambda: not group_members([node.pgid]), 10, "the orphaned p2pd to be ended by the daemon")
