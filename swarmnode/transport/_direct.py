@@ -6,6 +6,10 @@ connection (never to an address the callee names) and presents the token: the TC
 authenticated peer id. A callee without a direct path, or one that cannot be reached over TCP, is called over
 libp2p. Direct TCP is plaintext: meant for loopback and trusted LANs, where it takes several times less CPU
 and latency than the p2pd route (see benchmarks/transport_bench.py).
+
+Anyone may connect to the listener: a connection must present its token within `header_timeout`, at most
+`max_pending_hellos` wait for theirs at once (a newer one closes the oldest), and a peer holds at most
+`max_inbound_per_peer` unused tokens (a newer grant voids its oldest).
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ class _NoDirectPath(Exception):
 class DirectListener:
     """The serving side: a TCP listener that admits a connection only with a fresh token it granted."""
 
-    def __init__(self, config: TransportConfig, serve: ServeStream) -> None:
+    def __init__(self, config: TransportConfig, stats: TransportStats, serve: ServeStream) -> None:
         self._config = config
+        self._stats = stats
         self._serve = serve
-        self._tokens: dict[bytes, tuple[PeerID, float]] = {}  # token -> (peer, expiry)
+        self._tokens: dict[bytes, tuple[PeerID, float]] = {}  # token -> (peer, expiry), oldest first
+        self._pending: dict[asyncio.StreamWriter, None] = {}  # connections awaiting their hello, oldest first
         self._server: asyncio.Server | None = None
 
     @property
@@ -72,17 +78,28 @@ class DirectListener:
         """The handler of GRANT_METHOD: a one-time token for `peer_id`, valid for `header_timeout`."""
         now = time.monotonic()
         self._tokens = {token: grant for token, grant in self._tokens.items() if grant[1] > now}
+        held = [token for token, grant in self._tokens.items() if grant[0] == peer_id]
+        for token in held[: max(0, len(held) - self._config.max_inbound_per_peer + 1)]:
+            del self._tokens[token]
         token = secrets.token_bytes(16)
         self._tokens[token] = (peer_id, now + self._config.header_timeout)
         return msgpack.packb([self.port, token]), []
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._pending) >= self._config.max_pending_hellos:
+            oldest = next(iter(self._pending))
+            del self._pending[oldest]
+            oldest.close()  # its read of the hello ends at once
+            self._stats.refused["hello"] += 1
+        self._pending[writer] = None
         try:
             async with asyncio.timeout(self._config.header_timeout):
                 magic, token = _HELLO.unpack(await reader.readexactly(_HELLO.size))
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             writer.close()
             return
+        finally:
+            self._pending.pop(writer, None)
         grant = self._tokens.pop(token, None) if magic == _HELLO_MAGIC else None
         if grant is None or grant[1] < time.monotonic():
             logger.warning(
@@ -141,6 +158,7 @@ class DirectDialer:
             raise ProtocolError(f"bad direct-path grant: {e}") from None
         if not (isinstance(port, int) and 0 < port < 65536 and isinstance(token, bytes) and len(token) == 16):
             raise ProtocolError("bad direct-path grant")
+        self._pool.make_room(peer_id)
         reader, writer = await asyncio.open_connection(host, port)
         prepare_writer(writer)
         writer.write(_HELLO.pack(_HELLO_MAGIC, token))

@@ -14,7 +14,10 @@ Tensors travel as hivemind.compression does it (`runtime_pb2.Tensor` semantics: 
 its raw 16 bits), FLOAT16 sends float32 as float16 clamped to its range (byte for byte what hivemind's
 Float16Compression sends; other dtypes travel as they are). Decoded tensors are
 `torch.frombuffer` views of a fresh `bytearray` per tensor (writable, owned by the tensor, never shared).
-Everything read from the wire is checked against `Limits` and the dtype allow-list before any tensor is built.
+Everything read from the wire is checked against `Limits` and the dtype allow-list before any tensor is built,
+and a body's buffers grow only as its bytes arrive; whatever a peer sends, decoding raises only ProtocolError
+(or IncompleteReadError when the stream ends mid-frame). Error texts are cut to `MAX_ERROR_CHARS`, both sent
+and received, and peer-supplied values quoted in a ProtocolError are cut short.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import asyncio
 import enum
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +40,10 @@ MAGIC = b"SWNT"
 VERSION = 1
 PREFIX = struct.Struct("<4sBBHIQ")
 IO_CHUNK = 1 << 20  # bytes per write and read call while streaming a body
+MAX_METHOD_CHARS = 128  # longest method name a request may carry
+MAX_CODE_CHARS = 64  # longest error code an ERROR frame may carry
+MAX_ERROR_CHARS = 1024  # error messages longer than this are cut, when sent and when received
+_SHOWN_CHARS = 80  # how much of a peer-supplied value a ProtocolError quotes
 
 Buffer = bytes | bytearray | memoryview
 
@@ -71,12 +78,23 @@ _COMPRESSIONS = frozenset(Compression)
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on what a peer may send; anything beyond them is rejected before it is allocated."""
+    """Bounds on what a peer may send; anything beyond them is rejected before it is allocated.
+
+    max_elements bounds each tensor's element count with every zero dimension counted as 1, so that a
+    zero-sized tensor cannot announce absurd dimensions either (each dimension is thus at most max_elements).
+    """
 
     max_message_bytes: int = 1 << 30
     max_head_bytes: int = 1 << 20
     max_tensors: int = 4096
     max_ndim: int = 8
+    max_elements: int = 1 << 31
+
+    def __post_init__(self) -> None:
+        if min(self.max_message_bytes, self.max_head_bytes, self.max_tensors, self.max_ndim) < 1:
+            raise ValueError(f"every limit must be positive: {self}")
+        if not 1 <= self.max_elements <= 1 << 62:  # torch's sizes and strides are int64
+            raise ValueError(f"max_elements must be within 1..2**62, got {self.max_elements}")
 
 
 @dataclass(frozen=True)
@@ -183,8 +201,18 @@ def encode_response(meta: bytes, tensors: Sequence[torch.Tensor], compression: C
 
 
 def encode_error(code: str, message: str) -> list[Buffer]:
-    """Encode an error answer."""
-    return _encode(Kind.ERROR, [code, message], (), Compression.NONE)
+    """Encode an error answer; a message longer than MAX_ERROR_CHARS is cut."""
+    return _encode(Kind.ERROR, [code, truncate(message)], (), Compression.NONE)
+
+
+def truncate(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text`, cut to `limit` characters (an ellipsis marks the cut)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def show(value: object) -> str:
+    """A peer-supplied value for an error message: its repr, cut short."""
+    return truncate(repr(value), _SHOWN_CHARS)
 
 
 def frame_size(buffers: Sequence[Buffer]) -> int:
@@ -226,13 +254,16 @@ def _parse_spec(raw: object, limits: Limits) -> TensorSpec:
     _check(isinstance(raw, list) and len(raw) == 3, "tensor spec is not [dtype, compression, shape]")
     dtype, compression, shape = raw
     if not (isinstance(dtype, str) and dtype in DTYPES):
-        raise ProtocolError(f"dtype {dtype!r} is not allowed")
+        raise ProtocolError(f"dtype {show(dtype)} is not allowed")
     if not (_is_int(compression) and compression in _COMPRESSIONS):
-        raise ProtocolError(f"compression {compression!r} is not allowed")
+        raise ProtocolError(f"compression {show(compression)} is not allowed")
     if compression == Compression.FLOAT16 and dtype != "float32":
         raise ProtocolError(f"FLOAT16 compression of a {dtype} tensor")
     _check(isinstance(shape, list) and len(shape) <= limits.max_ndim, "shape is not a short list")
     _check(all(_is_int(dim) and dim >= 0 for dim in shape), "shape has a non-natural dimension")
+    elements = math.prod(max(dim, 1) for dim in shape)  # Python ints: no overflow, zero dims count as 1
+    if elements > limits.max_elements:
+        raise ProtocolError(f"shape {show(shape)} exceeds the limit of {limits.max_elements} elements")
     return TensorSpec(dtype, Compression(compression), tuple(shape))
 
 
@@ -245,17 +276,33 @@ def _parse_specs(raw: object, body_len: int, limits: Limits) -> tuple[TensorSpec
     return specs
 
 
+def _unpack_head(head: bytes, limits: Limits) -> object:
+    """msgpack-decode a head, refusing maps and extension types and arrays longer than any valid head has
+    (so that the objects built stay few)."""
+    try:
+        return msgpack.unpackb(
+            head,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_array_len=max(5, limits.max_tensors, limits.max_ndim),
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        reason = truncate(str(e), _SHOWN_CHARS)
+        raise ProtocolError(f"head is not msgpack: {type(e).__name__}: {reason}") from None
+
+
 def parse_head(kind: Kind, head: bytes, body_len: int, limits: Limits) -> Head:
     """Decode and check a frame head against the body length the prefix announced."""
-    try:
-        fields = msgpack.unpackb(head, raw=False, use_list=True, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"head is not msgpack: {type(e).__name__}: {e}") from None
-    _check(isinstance(fields, list), "head is not a list")
+    fields = _unpack_head(head, limits)
+    if not isinstance(fields, list):
+        raise ProtocolError("malformed head: head is not a list")
     if kind is Kind.REQUEST:
         _check(len(fields) == 5, "request head needs 5 fields")
         method, timeout, reply_compression, meta, specs = fields
-        _check(isinstance(method, str), "method is not a string")
+        _check(isinstance(method, str) and len(method) <= MAX_METHOD_CHARS, "method is not a short string")
         _check(isinstance(timeout, float) and 0 < timeout < math.inf, "timeout is not a positive float")
         _check(_is_int(reply_compression) and reply_compression in _COMPRESSIONS, "unknown reply compression")
         _check(isinstance(meta, bytes), "meta is not bytes")
@@ -271,32 +318,40 @@ def parse_head(kind: Kind, head: bytes, body_len: int, limits: Limits) -> Head:
         len(fields) == 2 and all(isinstance(field, str) for field in fields),
         "error head is not [code, message]",
     )
+    _check(len(fields[0]) <= MAX_CODE_CHARS, "error code is too long")
     _check(body_len == 0, "error frame has a body")
-    return Error(fields[0], fields[1])
+    return Error(fields[0], truncate(fields[1]))
 
 
-async def read_into(reader: asyncio.StreamReader, view: memoryview) -> None:
-    """Fill `view` from the stream; raise IncompleteReadError if it ends first."""
-    filled, size = 0, view.nbytes
-    while filled < size:
-        chunk = await reader.read(min(size - filled, IO_CHUNK))
-        if not chunk:
-            raise asyncio.IncompleteReadError(b"", size)
-        view[filled : filled + len(chunk)] = chunk
-        filled += len(chunk)
+Read = Callable[[int], Awaitable[bytes]]
+"""Reads up to n bytes of a stream, as they come; b"" once it ended (`StreamReader.read`)."""
 
 
-async def read_tensors(reader: asyncio.StreamReader, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
-    """Read a body and build its tensors; each owns its own fresh buffer."""
+def _build(spec: TensorSpec, buffer: bytearray) -> torch.Tensor:
+    try:
+        if buffer:
+            tensor = torch.frombuffer(buffer, dtype=spec.wire_dtype).view(spec.shape)
+        else:
+            tensor = torch.empty(spec.shape, dtype=spec.wire_dtype)
+        return tensor.to(torch.float32) if spec.compression is Compression.FLOAT16 else tensor
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # whatever torch objects to
+        raise ProtocolError(f"cannot build shape {show(spec.shape)}: {type(e).__name__}") from None
+
+
+async def read_tensors(read: Read, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """Read a body with `read` and build its tensors, each owning a fresh buffer.
+
+    Each buffer grows as its bytes arrive: a body announced but not sent costs no memory. Raises
+    IncompleteReadError if the stream ends first."""
     tensors = []
     for spec in specs:
-        if spec.nbytes == 0:
-            tensor = torch.empty(spec.shape, dtype=spec.wire_dtype)
-        else:
-            buffer = bytearray(spec.nbytes)
-            await read_into(reader, memoryview(buffer))
-            tensor = torch.frombuffer(buffer, dtype=spec.wire_dtype).view(spec.shape)
-        tensors.append(tensor.to(torch.float32) if spec.compression is Compression.FLOAT16 else tensor)
+        buffer, size = bytearray(), spec.nbytes
+        while len(buffer) < size:
+            chunk = await read(min(size - len(buffer), IO_CHUNK))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"", size)
+            buffer += chunk
+        tensors.append(_build(spec, buffer))
     return tensors
 
 
@@ -304,7 +359,7 @@ async def read_frame(reader: asyncio.StreamReader, limits: Limits) -> tuple[Head
     """Read one whole frame (prefix, head, tensors)."""
     kind, head_len, body_len = parse_prefix(await reader.readexactly(PREFIX.size), limits)
     head = parse_head(kind, await reader.readexactly(head_len), body_len, limits)
-    tensors = await read_tensors(reader, head.specs) if not isinstance(head, Error) else []
+    tensors = await read_tensors(reader.read, head.specs) if not isinstance(head, Error) else []
     return head, tensors
 
 

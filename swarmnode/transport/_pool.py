@@ -1,13 +1,20 @@
 """The calling side's streams: opening libp2p streams, one request and reply per use, and an idle pool.
 
 A stream serves one call at a time; after a clean reply (or an error answer that leaves it open) it goes back
-to a small pool of idle streams, newest reused first, oldest closed first beyond `max_idle_streams`.
+to a small pool of idle streams, newest reused first, oldest closed first beyond `max_idle_streams`, and none
+kept for more than half of `idle_timeout` (the peer closes streams idle for longer). At most
+`max_calls_per_peer` calls to one peer are in flight at once (more wait), and its idle streams are closed as
+needed so that it never has more of ours open: a peer whose `max_inbound_per_peer` is at least that never
+refuses us for having too many streams.
 """
 
 from __future__ import annotations
 
 import asyncio
-from contextlib import suppress
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +40,7 @@ class Stream:
     writer: asyncio.StreamWriter
     direct: bool
     host: str | None  # the peer's IP as this stream reaches it (None through a relay)
+    idle_since: float = 0.0  # monotonic time it went back to the pool
 
     def usable(self) -> bool:
         return not (self.reader.at_eof() or self.reader.exception() or self.writer.is_closing())
@@ -46,14 +54,45 @@ class StreamPool:
         self._config = config
         self._stats = stats
         self._idle: list[Stream] = []  # oldest first
+        self._gates: dict[PeerID, asyncio.Semaphore] = {}  # per peer with calls in flight or waiting
+        self._callers: Counter[PeerID] = Counter()  # calls in flight or waiting, per peer
+        self._in_flight: Counter[PeerID] = Counter()
+
+    @asynccontextmanager
+    async def slot(self, peer_id: PeerID) -> AsyncIterator[None]:
+        """Hold one of the `max_calls_per_peer` calls to `peer_id` that may be in flight at once."""
+        gate = self._gates.get(peer_id)
+        if gate is None:
+            gate = self._gates[peer_id] = asyncio.Semaphore(self._config.max_calls_per_peer)
+        self._callers[peer_id] += 1
+        try:
+            async with gate:
+                self._in_flight[peer_id] += 1
+                try:
+                    yield
+                finally:
+                    self._in_flight[peer_id] -= 1
+        finally:
+            self._callers[peer_id] -= 1
+            if not self._callers[peer_id]:
+                del self._callers[peer_id], self._in_flight[peer_id], self._gates[peer_id]
+
+    def make_room(self, peer_id: PeerID) -> None:
+        """Before a call in flight opens a stream to `peer_id`: close its oldest idle streams as needed
+        to keep them and the calls in flight within `max_calls_per_peer`."""
+        idle = [stream for stream in self._idle if stream.peer_id == peer_id]
+        for stream in idle[: max(0, len(idle) + self._in_flight[peer_id] - self._config.max_calls_per_peer)]:
+            self._idle.remove(stream)
+            stream.writer.close()
 
     def take(self, peer_id: PeerID, direct: bool) -> Stream | None:
         """An idle usable stream to `peer_id` on the given path, or None; unusable ones met are closed."""
+        fresh = time.monotonic() - self._config.idle_timeout / 2
         for i in range(len(self._idle) - 1, -1, -1):
             stream = self._idle[i]
             if stream.peer_id == peer_id and stream.direct == direct:
                 del self._idle[i]
-                if stream.usable():
+                if stream.usable() and stream.idle_since > fresh:
                     return stream
                 stream.writer.close()
         return None
@@ -63,6 +102,7 @@ class StreamPool:
         if not stream.usable():
             stream.writer.close()
             return
+        stream.idle_since = time.monotonic()
         self._idle.append(stream)
         while len(self._idle) > self._config.max_idle_streams:
             self._idle.pop(0).writer.close()
@@ -75,6 +115,7 @@ class StreamPool:
 
     async def open(self, peer_id: PeerID) -> Stream:
         """Open a libp2p stream."""
+        self.make_room(peer_id)
         # Shielded so that a timeout cannot strand a half-open stream: if the caller gives up, the opening
         # finishes on its own and is closed.
         opening = asyncio.ensure_future(self._p2p.call_binary_stream_handler(peer_id, self._config.protocol))

@@ -2,7 +2,9 @@
 
 Streams arrive by either path (libp2p or direct TCP) already bound to the peer id of their caller. A stream
 carries requests one after another; a malformed frame gets a "bad_request" answer, a ban and the end of the
-stream, and every step is bounded (`header_timeout`, the request's timeout capped by `max_request_seconds`).
+stream, and every step is bounded: the wait for a request (`idle_timeout`), its head (`header_timeout`), its
+body (the rate floor and byte budget of `_intake`), the whole request (its timeout, capped by
+`max_request_seconds`), the answer to a refusal (1 s). Refusals and drops are counted in `TransportStats`.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from swarmnode.transport._framing import (
     parse_prefix,
     prepare_writer,
     read_tensors,
+    show,
     write_frame,
 )
+from swarmnode.transport._intake import BodyReader, Dropped, InboundBudget, Refused
 
 logger = logging.getLogger(__name__)
 
 UNKNOWN_METHOD_BODY_BYTES = 1 << 20  # what a request for a method not served may carry before it is refused
+REFUSAL_LINGER_SECONDS = 1.0  # how long a refused stream is kept so that its caller can read why
 
 Handler = Callable[[PeerID, bytes, list[torch.Tensor]], Awaitable[tuple[bytes, list[torch.Tensor]]]]
 """Serves one method: (caller, meta, tensors) -> (meta, tensors) of the reply."""
@@ -52,13 +57,18 @@ class Server:
         stats: TransportStats,
         handlers: Mapping[str, Handler],
         body_limits: Mapping[str, int],
+        meta_limits: Mapping[str, int],
     ) -> None:
         self._config = config
         self._stats = stats
         self._handlers = handlers
         self._body_limits = body_limits  # per method; others: the limits' max_message_bytes
+        self._meta_limits = meta_limits  # per method; others: the config's max_meta_bytes
+        self._budget = InboundBudget(config, stats)
         self._inbound: set[asyncio.Task[Any]] = set()  # tasks serving a stream
         self._inbound_per_peer: Counter[PeerID] = Counter()
+        self._waiting: dict[asyncio.StreamWriter, PeerID] = {}  # streams waiting for a request, oldest first
+        self._lingering = 0  # refusals being answered
         self._banned: dict[PeerID, float] = {}  # peer -> monotonic time the ban ends
         self._closing = False
 
@@ -96,8 +106,7 @@ class Server:
         prepare_writer(writer)
         refusal = self._refusal(peer_id)
         if refusal is not None:
-            self._stats.errors_returned[refusal] += 1
-            await self._refuse(reader, writer, refusal, f"not serving {peer_id} now")
+            await self._refuse(reader, writer, refusal)
             writer.close()
             return
         task = cast(asyncio.Task[Any], asyncio.current_task())
@@ -120,63 +129,104 @@ class Server:
     ) -> None:
         """Serve requests one after another; a bad frame gets an answer, a ban and the end of the stream."""
         try:
-            while await self._serve_one(peer_id, reader, writer):
-                pass
+            while True:
+                await self._serve_one(peer_id, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the caller closed the stream (or its peer died)
         except ProtocolError as e:
             logger.warning("rejected a frame from %s: %s", peer_id, e)
-            self._stats.errors_returned["bad_request"] += 1
             if self._config.ban_seconds > 0:
                 self.ban(peer_id, self._config.ban_seconds)
-            await self._refuse(reader, writer, "bad_request", str(e))
+            await self._refuse(reader, writer, Refused("malformed", "bad_request", str(e)))
+        except Refused as e:
+            await self._refuse(reader, writer, e)
+        except Dropped as e:
+            self._stats.dropped[e.reason] += 1
+            log = logger.debug if e.reason == "idle" else logger.warning
+            log("dropped a stream from %s: %s", peer_id, e)
         except TimeoutError:
-            logger.warning("dropped a stream from %s: a frame stalled mid-way", peer_id)
+            self._stats.dropped["stalled"] += 1
+            logger.warning("dropped a stream from %s: a request stalled past its deadline", peer_id)
         except Exception:
             logger.exception("serving a stream from %s failed", peer_id)
 
-    def _refusal(self, peer_id: PeerID) -> str | None:
+    def _refusal(self, peer_id: PeerID) -> Refused | None:
+        """Why a new stream from `peer_id` is refused, if it is; past a stream bound, make room if it can."""
         if self.is_banned(peer_id):
-            return "banned"
-        if len(self._inbound) >= self._config.max_inbound_streams:
-            return "overloaded"
-        if self._inbound_per_peer[peer_id] >= self._config.max_inbound_per_peer:
-            return "overloaded"
+            return Refused("banned", "banned", f"not serving {peer_id} now")
+        if self._inbound_per_peer[peer_id] >= self._config.max_inbound_per_peer and not self._evict(peer_id):
+            return Refused("peer_streams", "overloaded", f"serving {peer_id} too many streams")
+        if len(self._inbound) >= self._config.max_inbound_streams and not self._evict(None):
+            return Refused("streams", "overloaded", "serving too many streams")
         return None
+
+    def _evict(self, peer_id: PeerID | None) -> bool:
+        """Close the oldest stream waiting for a request (one of `peer_id`'s, unless None); False if none is.
+
+        Its slot frees once its task sees the stream closed: until then it is counted still."""
+        for writer, peer in self._waiting.items():
+            if peer_id is None or peer == peer_id:
+                del self._waiting[writer]
+                writer.close()
+                self._stats.dropped["evicted"] += 1
+                return True
+        return False
 
     async def _serve_one(
         self, peer_id: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bool:
-        """Serve one request; return False when the stream must close."""
-        prefix = await reader.readexactly(PREFIX.size)  # an idle stream may wait: its caller owns it
+    ) -> None:
+        """Serve one request; raises what ends the stream."""
+        config = self._config
+        self._waiting[writer] = peer_id
+        try:
+            async with asyncio.timeout(config.idle_timeout):
+                prefix = await reader.readexactly(PREFIX.size)
+        except TimeoutError:
+            raise Dropped("idle", f"no request in {config.idle_timeout:g} s") from None
+        finally:
+            self._waiting.pop(writer, None)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        config = self._config
         kind, head_len, body_len = parse_prefix(prefix, config.limits)
         if kind is not Kind.REQUEST:
             raise ProtocolError(f"expected a request, got a {kind.name} frame")
         if self.is_banned(peer_id):
-            self._stats.errors_returned["banned"] += 1
-            await self._refuse(reader, writer, "banned", f"not serving {peer_id} now")
-            return False
-        async with asyncio.timeout(config.header_timeout):
-            head = await reader.readexactly(head_len)
+            raise Refused("banned", "banned", f"not serving {peer_id} now")
+        try:
+            async with asyncio.timeout(config.header_timeout):
+                head = await reader.readexactly(head_len)
+        except TimeoutError:
+            raise Dropped(
+                "head", f"a head of {head_len} bytes took over {config.header_timeout:g} s"
+            ) from None
         request = cast(Request, parse_head(kind, head, body_len, config.limits))
-        limit = self._body_limit(request.method)
-        if body_len > limit:  # refused before a byte of it is allocated
-            raise ProtocolError(f"{request.method!r} request of {body_len} tensor bytes; at most {limit}")
+        self._check(peer_id, request, body_len)
         deadline = started + min(request.timeout, config.max_request_seconds)
-        async with asyncio.timeout_at(deadline):
-            tensors = await read_tensors(reader, request.specs)
-        reply = await self._dispatch(peer_id, request, tensors, deadline)
+        body = BodyReader(self._budget, peer_id, reader, config)
+        try:
+            async with asyncio.timeout_at(deadline):
+                tensors = await read_tensors(body.read, request.specs)
+            reply = await self._dispatch(peer_id, request, tensors, deadline)
+        finally:
+            body.close()
         async with asyncio.timeout_at(max(deadline, loop.time() + config.header_timeout)):
             await write_frame(writer, reply)
-        return True
 
-    def _body_limit(self, method: str) -> int:
-        if method not in self._handlers:  # answered "unknown_method" once read: read only a little of it
-            return min(UNKNOWN_METHOD_BODY_BYTES, self._config.limits.max_message_bytes)
-        return self._body_limits.get(method, self._config.limits.max_message_bytes)
+    def _check(self, peer_id: PeerID, request: Request, body_len: int) -> None:
+        """Refuse a request over its method's bounds, or whose body cannot fit, before its body is read."""
+        method, config = request.method, self._config
+        if method in self._handlers:
+            body_limit = self._body_limits.get(method, config.limits.max_message_bytes)
+        else:  # answered "unknown_method" once read: read only a little of it
+            body_limit = min(UNKNOWN_METHOD_BODY_BYTES, config.limits.max_message_bytes)
+        if body_len > body_limit:
+            raise ProtocolError(f"{show(method)} request of {body_len} tensor bytes; at most {body_limit}")
+        meta_limit = self._meta_limits.get(method, config.max_meta_bytes)
+        if len(request.meta) > meta_limit:
+            raise ProtocolError(
+                f"{show(method)} request meta of {len(request.meta)} bytes; at most {meta_limit}"
+            )
+        self._budget.admit(peer_id, body_len)
 
     async def _dispatch(
         self, peer_id: PeerID, request: Request, tensors: list[torch.Tensor], deadline: float
@@ -184,7 +234,7 @@ class Server:
         handler = self._handlers.get(request.method)
         if handler is None:
             self._stats.errors_returned["unknown_method"] += 1
-            return encode_error("unknown_method", f"no method {request.method!r}")
+            return encode_error("unknown_method", f"no method {show(request.method)}")
         bound = asyncio.timeout_at(deadline)
         try:
             async with bound:
@@ -201,14 +251,25 @@ class Server:
         return reply
 
     async def _refuse(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, code: str, message: str
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, refusal: Refused
     ) -> None:
-        """Answer an error, then discard what the caller still sends until it hangs up, within header_timeout.
+        """Count a refusal and answer it, then discard what the caller still sends until it hangs up, for at
+        most REFUSAL_LINGER_SECONDS (and header_timeout); while as many refusals linger as streams may be
+        served, close unanswered instead.
 
         Closing at once, with its request unread, could reset the stream before the caller reads why.
         Best effort: the stream may already be gone."""
-        with suppress(ConnectionError, TimeoutError, OSError):
-            async with asyncio.timeout(self._config.header_timeout):
-                await write_frame(writer, encode_error(code, message))
-                while await reader.read(IO_CHUNK):
-                    pass
+        self._stats.refused[refusal.reason] += 1
+        if self._lingering >= self._config.max_inbound_streams:
+            self._stats.dropped["unanswered"] += 1
+            return
+        self._stats.errors_returned[refusal.code] += 1
+        self._lingering += 1
+        try:
+            with suppress(ConnectionError, TimeoutError, OSError):
+                async with asyncio.timeout(min(REFUSAL_LINGER_SECONDS, self._config.header_timeout)):
+                    await write_frame(writer, encode_error(refusal.code, refusal.message))
+                    while await reader.read(IO_CHUNK):
+                        pass
+        finally:
+            self._lingering -= 1

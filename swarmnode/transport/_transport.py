@@ -22,7 +22,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from swarmnode.transport._config import TransportConfig, TransportStats
 from swarmnode.transport._direct import GRANT_METHOD, DirectDialer, DirectListener
 from swarmnode.transport._errors import CallTimeout, TransportError
-from swarmnode.transport._framing import Compression, encode_request, frame_size
+from swarmnode.transport._framing import MAX_METHOD_CHARS, Compression, encode_request, frame_size
 from swarmnode.transport._pool import Stream, StreamPool
 from swarmnode.transport._serving import Handler, Server
 
@@ -41,33 +41,47 @@ class Transport:
         self.stats = TransportStats()
         self._handlers: dict[str, Handler] = {}
         self._body_limits: dict[str, int] = {}
+        self._meta_limits: dict[str, int] = {}
         self._pool = StreamPool(p2p, self._config, self.stats)
-        self._server = Server(self._config, self.stats, self._handlers, self._body_limits)
+        self._server = Server(self._config, self.stats, self._handlers, self._body_limits, self._meta_limits)
         self._dialer: DirectDialer | None = None
         self._listener: DirectListener | None = None
         if self._config.direct_host is not None:
             self._dialer = DirectDialer(self._pool, self._config, self.stats)
-            self._listener = DirectListener(self._config, self._server.serve_stream)
+            self._listener = DirectListener(self._config, self.stats, self._server.serve_stream)
         self._started = False
 
     @property
     def peer_id(self) -> PeerID:
         return self._p2p.peer_id
 
-    def register(self, method: str, handler: Handler, max_body_bytes: int | None = None) -> None:
+    def register(
+        self,
+        method: str,
+        handler: Handler,
+        max_body_bytes: int | None = None,
+        max_meta_bytes: int | None = None,
+    ) -> None:
         """Serve `method` with `handler`; its reply tensors are sent from their memory, so it must not
         change them after returning (return clones of live weights). Names starting with "_" are reserved.
 
         `max_body_bytes` bounds the tensor bytes one request of `method` may carry (default: the limits'
-        `max_message_bytes`); a request announcing more is refused as malformed before anything is read."""
+        `max_message_bytes`); a request announcing more is refused as malformed before anything is read.
+        `max_meta_bytes` bounds its meta likewise (default: the config's `max_meta_bytes`)."""
         if method.startswith("_"):
             raise ValueError(f"method names starting with '_' are reserved, got {method!r}")
+        if len(method) > MAX_METHOD_CHARS:
+            raise ValueError(f"method names are at most {MAX_METHOD_CHARS} characters, got {len(method)}")
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
-        if max_body_bytes is not None:
-            if max_body_bytes < 0:
-                raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
-            self._body_limits[method] = max_body_bytes
+        for name, bound, bounds in (
+            ("max_body_bytes", max_body_bytes, self._body_limits),
+            ("max_meta_bytes", max_meta_bytes, self._meta_limits),
+        ):
+            if bound is not None:
+                if bound < 0:
+                    raise ValueError(f"{name} must be >= 0, got {bound}")
+                bounds[method] = bound
         self._handlers[method] = handler
 
     def ban(self, peer_id: PeerID, seconds: float) -> None:
@@ -135,7 +149,7 @@ class Transport:
         if size > self._config.limits.max_message_bytes:
             raise ValueError(f"request of {size} bytes exceeds max_message_bytes")
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout), self._pool.slot(peer_id):
                 stream = await self._stream_to(peer_id)
                 result = await self._pool.exchange(stream, method, frame)
         except TimeoutError:
