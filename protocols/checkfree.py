@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from protocols._tensormap import TensorMap, check_same_layout, first_non_finite, weighted_sum
-from protocols.errors import LocalProtocolError
+from protocols.errors import LocalProtocolError, RemoteProtocolError
 
 DEFAULT_LR_FACTOR = 1.1
 SWAP_MIN_STAGES = 4  # CheckFree+ swaps need the first pair (S1, S2) and the last (S(s-1), Ss) to be apart
@@ -226,6 +226,15 @@ def restore_embeddings(embedding_copy: TensorMap, head_copy: TensorMap) -> dict[
         raise LocalProtocolError(f"the copies of E and E' both hold {overlap[:3]}")
     _check_finite(("copy of E", embedding_copy), ("copy of E'", head_copy))
     return {**embedding_copy, **head_copy}
+
+
+def replica_lr_factor(donor_lr_factor: float, lr_factor: float = DEFAULT_LR_FACTOR) -> float:
+    """The lr factor of a node that copies a live replica: the donor's, which the rules above set to 1 or, on
+    a stage rebuilt by CheckFree(+), to `lr_factor`. Any other value is a donor's lie: RemoteProtocolError."""
+    for allowed in (1.0, lr_factor):
+        if math.isclose(donor_lr_factor, allowed):
+            return float(allowed)
+    raise RemoteProtocolError(f"donor lr factor {donor_lr_factor!r} is neither 1 nor {lr_factor:g}")
 
 
 def _check_plan_args(num_stages: int, stages: Collection[int], lr_factor: float) -> None:

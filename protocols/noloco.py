@@ -13,8 +13,9 @@ and order the replicas they see by a hash of (seed, peer id): consecutive entrie
 pairs, so equal views give every node the same uniform random perfect matching, and an odd node out is
 alone. The lower peer id of a pair initiates the exchange. `PairingRound` is one node's side of it: it
 says whom to contact, whether to accept a request, and turns a complete exchange into a paired outcome;
-a decline, a failure, a timeout, or a partial or non-finite exchange becomes the lone-replica step
-(group {i}), so the outer step never blocks training and never mixes partial values.
+a decline, a failure, a timeout, or a partial, non-finite or out-of-bounds exchange (`protocols.bounds`)
+becomes the lone-replica step (group {i}), so the outer step never blocks training and never mixes partial
+or poisoned values.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from protocols._tensormap import (
     first_non_finite,
     layout_mismatch,
 )
+from protocols.bounds import drift_problem
 from protocols.errors import LocalProtocolError
 from protocols.messages import Decline
 
@@ -250,7 +252,8 @@ class PairingRound:
         return None
 
     def deliver(self, sender: str, phi: TensorMap, theta: TensorMap, own_phi: TensorMap) -> Outcome:
-        """The partner's phi and theta arrived. Complete and finite: paired; anything else: alone.
+        """The partner's phi and theta arrived. Complete, finite and within `bounds.MAX_DRIFT` of `own_phi`:
+        paired; anything else: alone.
 
         Late deliveries after the round ended are ignored (the old outcome is returned).
         """
@@ -265,6 +268,9 @@ class PairingRound:
             bad = first_non_finite(tensors)
             if bad is not None:
                 return self._alone(f"non-finite {label} {bad!r} from {sender}")
+        far = drift_problem(own_phi, (("phi", phi), ("theta", theta)))
+        if far is not None:
+            return self._alone(f"out-of-bounds exchange with {sender}: {far}")
         self.outcome = Outcome(Phase.PAIRED, sender, f"paired with {sender}", (phi,), (theta,))
         return self.outcome
 

@@ -258,3 +258,11 @@ def test_incomplete_or_bad_exchange_is_never_mixed(phi: dict, theta: dict, words
 def test_round_rejects_bad_timeout() -> None:
     with pytest.raises(LocalProtocolError):
         PairingRound(outer_step=1, me="a", replicas=(), seed=0, now=0.0, timeout_s=0.0)
+
+
+def test_out_of_bounds_exchange_falls_back_alone() -> None:
+    for phi, theta in ((state(1e30), state(1.0)), (state(1.0), state(-1e30)), (state(1.0), state(9.0))):
+        b = make_round("b")
+        outcome = b.deliver("a", phi, theta, own_phi=state(1.0))
+        assert outcome.phase is Phase.ALONE and "out-of-bounds" in outcome.reason, outcome
+        assert outcome.partner_phis == () and outcome.partner_thetas == ()

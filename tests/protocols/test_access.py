@@ -1,0 +1,50 @@
+"""Who may ask a node for which parts of its state (protocols.access)."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocols.access import refusal
+from protocols.errors import LocalProtocolError
+from protocols.messages import NodeState, StatePart
+
+W, OPT, E, H = StatePart.WEIGHTS, StatePart.OPTIMIZER, StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY
+J, R, ON, L = NodeState.JOINING, NodeState.RECOVERING, NodeState.ONLINE, NodeState.LEAVING
+
+
+def allowed(parts: tuple[StatePart, ...], stage: int, who: int, state: NodeState, plus: bool = True) -> bool:
+    reason = refusal(
+        parts, stage=stage, num_stages=4, checkfree_plus=plus, requester_stage=who, requester_state=state
+    )
+    return reason is None
+
+
+def test_a_replica_copy_goes_to_a_joiner_of_the_same_stage_only() -> None:
+    assert allowed((W, OPT), 2, 2, R) and allowed((W, OPT), 2, 2, J) and allowed((W, OPT), 0, 0, R)
+    assert not allowed((W, OPT), 2, 2, ON)  # an online replica has its own state
+    assert not allowed((W, OPT), 2, 3, R)  # a neighbour gets weights, not the optimizer
+    assert not allowed((OPT,), 2, 1, R)
+
+
+def test_weights_go_to_a_recovering_neighbouring_transformer_stage() -> None:
+    assert allowed((W,), 2, 1, R) and allowed((W,), 2, 3, R) and allowed((W,), 1, 2, J)
+    assert not allowed((W,), 2, 4, R)  # not a neighbour
+    assert not allowed((W,), 1, 0, R) and not allowed((W,), 0, 1, R)  # the data stage is nobody's neighbour
+    assert not allowed((W,), 2, 3, ON) and not allowed((W,), 2, 3, L)
+
+
+def test_copies_go_to_their_holders_and_back_to_a_recovering_data_node() -> None:
+    assert allowed((E,), 0, 1, ON) and allowed((E,), 0, 1, R) and allowed((H,), 0, 4, ON)
+    assert not allowed((E,), 0, 4, ON) and not allowed((H,), 0, 1, ON) and not allowed((E,), 0, 1, L)
+    assert allowed((E,), 1, 0, R) and allowed((H,), 4, 0, J)
+    assert not allowed((E,), 1, 0, ON) and not allowed((H,), 1, 0, R)
+    assert not allowed((E,), 0, 1, ON, plus=False)  # no copies without CheckFree+
+
+
+def test_every_part_must_be_allowed_and_the_reason_names_it() -> None:
+    reason = refusal(
+        (W, OPT), stage=2, num_stages=4, checkfree_plus=True, requester_stage=3, requester_state=R
+    )
+    assert reason == "optimizer of stage 2 is not for a node recovering at stage 3"
+    with pytest.raises(LocalProtocolError):
+        refusal((W,), stage=5, num_stages=4, checkfree_plus=True, requester_stage=1, requester_state=R)
