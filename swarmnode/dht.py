@@ -4,8 +4,11 @@ node's record and the run definition, and read the swarm."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
-from collections.abc import Awaitable, Sequence
+import tempfile
+from collections.abc import Awaitable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -17,19 +20,23 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from protocols.messages import NodeRecord, encode
 from swarmnode import msgpack_guard
+from swarmnode.identity import Identity
 from swarmnode.records import (
     MAX_STAGES,
     PeerRecord,
+    SwarmRecordValidator,
     decode_run,
-    make_validators,
-    owned_subkey,
     parse_stage_entries,
+    peer_of_subkey,
     run_key,
     stage_key,
+    subkey_of,
 )
 from swarmnode.runspec import RunSpec, RunSpecError
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 DHT_CALL_TIMEOUT_S = 10.0  # every DHT call is bounded: a DHT process that died never answers
 
@@ -77,6 +84,19 @@ def _peer_id_of(address: str) -> PeerID | None:
         return None
 
 
+@contextlib.contextmanager
+def _identity_file(identity: Identity, path: Path | None) -> Iterator[Path]:
+    """The key file p2pd reads at start: `path` if given (it already holds `identity`), else a private
+    temporary file, removed once p2pd has started."""
+    if path is not None:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="swarmnode-id-") as folder:
+        key_file = Path(folder) / "identity.key"
+        identity.save(key_file)
+        yield key_file
+
+
 def _start_failure(message: str, host: str, port: int) -> str:
     """One line for a p2pd that did not start, from its message (`Daemon failed to start: DATE TIME why`)."""
     why = re.sub(r"^.*?failed to start:\s*(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s*)?", "", message).strip()
@@ -88,7 +108,13 @@ def _start_failure(message: str, host: str, port: int) -> str:
 
 
 class SwarmDHT:
-    """One DHT peer (its own forked process and p2pd), with the run's validators installed."""
+    """One DHT peer (its own forked process and p2pd), with the run's validator installed.
+
+    The node's key is read from `identity_path` (created there if missing, so the peer id survives
+    restarts) or made fresh: p2pd takes it as its libp2p identity, and the validator signs this node's
+    records with it. `run_owners` are the peer ids whose run definition this node
+    accepts (by default the peers named in `initial_peers`: the bootstrap's address names the run's owner).
+    """
 
     def __init__(
         self,
@@ -98,26 +124,35 @@ class SwarmDHT:
         port: int = 0,
         public: bool = False,
         client_mode: bool = False,
+        identity_path: Path | None = None,
+        run_owners: Sequence[str] = (),
     ) -> None:
         self.run_id = run_id
         msgpack_guard.install()  # before the DHT process forks: hivemind's own handlers decode peer bytes
-        self._signer, checker = make_validators(run_id)
-        try:
-            self.dht = hivemind.DHT(
-                initial_peers=list(initial_peers),
-                start=True,
-                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-                nat_port_map=public,
-                client_mode=client_mode,
-                record_validators=[self._signer, checker],
-                await_ready=True,
-                shutdown_timeout=1.0,
-            )
-        except P2PDaemonError as error:  # p2pd exited at start: its last words say why
-            raise DHTUnavailable(_start_failure(str(error), host, port)) from None
+        self.identity = Identity.load_or_create(identity_path) if identity_path else Identity.generate()
+        self.run_owners = frozenset(run_owners) or frozenset(
+            str(peer) for peer in map(_peer_id_of, initial_peers) if peer is not None
+        )
+        self._ignored_runs: set[str] = set()
+        with _identity_file(self.identity, identity_path) as key_file:
+            try:
+                self.dht = hivemind.DHT(
+                    initial_peers=list(initial_peers),
+                    start=True,
+                    host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                    nat_port_map=public,
+                    client_mode=client_mode,
+                    record_validators=[SwarmRecordValidator(run_id, self.identity)],
+                    identity_path=str(key_file),
+                    check_if_identity_free=identity_path is not None,
+                    await_ready=True,
+                    shutdown_timeout=1.0,
+                )
+            except P2PDaemonError as error:  # p2pd exited at start: its last words say why
+                raise DHTUnavailable(_start_failure(str(error), host, port)) from None
         self.peer_id = str(self.dht.peer_id)
         self._p2p: hivemind.P2P | None = None
-        self._subkey = owned_subkey(self.peer_id, self._signer)
+        self._subkey = subkey_of(self.peer_id)
 
     @property
     def alive(self) -> bool:
@@ -146,11 +181,25 @@ class SwarmDHT:
         )
 
     async def read_run(self) -> RunSpec | None:
+        """The newest valid run definition published by one of `run_owners`; others are ignored (logged
+        once per publisher)."""
         found = await _bounded(self.dht.get(run_key(self.run_id), latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return None
-        newest = sorted(found.value.values(), key=lambda item: item.expiration_time, reverse=True)
-        for item in newest:
+        owned = []
+        for subkey, item in found.value.items():
+            publisher = peer_of_subkey(subkey)
+            if publisher in self.run_owners:
+                owned.append(item)
+            elif publisher is not None and publisher not in self._ignored_runs:
+                self._ignored_runs.add(publisher)
+                logger.warning(
+                    "ignoring a definition of run %r published by %s, which is not the run's owner (%s)",
+                    self.run_id,
+                    publisher,
+                    ", ".join(sorted(self.run_owners)) or "none given",
+                )
+        for item in sorted(owned, key=lambda item: item.expiration_time, reverse=True):
             try:
                 return decode_run(item.value)
             except RunSpecError:
@@ -164,8 +213,10 @@ class SwarmDHT:
             if spec is not None:
                 return spec
             if asyncio.get_running_loop().time() > deadline:
+                owners = ", ".join(sorted(self.run_owners)) or "no owner given"
                 raise RunNotFound(
-                    f"no run definition for run {self.run_id!r} on the DHT after {timeout:.0f} s"
+                    f"no run definition for run {self.run_id!r} from its owner ({owners}) on the DHT after "
+                    f"{timeout:.0f} s; join through the bootstrap's address, or name it with --run-owner"
                 )
             await asyncio.sleep(0.5)
 

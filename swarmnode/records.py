@@ -1,10 +1,15 @@
-"""The swarm's shared state on the hivemind DHT: node records and the run definition.
+"""The swarm's shared state on the hivemind DHT: node records and the run definition, signed by their owners.
 
-Every node republishes a `protocols.messages.NodeRecord` under `{run}.stage.{k}` with its peer id plus its
-RSA public key as the subkey, so hivemind's `RSASignatureValidator` lets only the owner write it. A second
-validator checks that every value under this run's keys decodes as the right schema, so a hostile peer can
-neither overwrite another node's record nor plant garbage that crashes readers. A node that stops
-refreshing vanishes when its record expires; there is no delete.
+Every node republishes a `protocols.messages.NodeRecord` under `{run}.stage.{k}`, with its peer id as the
+subkey, and signs it with its libp2p identity key (`swarmnode.identity`): the signature covers the key, the
+subkey, the value and the expiry, and is checked against the key the peer id itself carries. So only the
+owner of a peer id can speak in its name, and an expiry cannot be stretched. `SwarmRecordValidator` runs in
+every DHT process on every store and on every value a lookup returns: it rejects values under this run's keys
+that are unsigned, signed by another key, expire more than `MAX_EXPIRY_S` ahead, or do not decode as their
+schema. A node that stops refreshing vanishes when its record expires; there is no delete.
+
+The run definition is a record under `{run}.run`; anyone may store one, so readers take it only from the
+run's owner (`SwarmDHT.read_run`).
 """
 
 from __future__ import annotations
@@ -13,20 +18,21 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
-from hivemind.utils import MSGPackSerializer
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from protocols.errors import ProtocolError
 from protocols.messages import MAX_RECORD_BYTES, NodeRecord, decode
+from swarmnode.identity import SIGNATURE_BYTES, Identity, verify
 from swarmnode.runspec import RunSpec, RunSpecError
 
 logger = logging.getLogger(__name__)
 
 MAX_STAGES = 256
-OWNER_MARKER = b"[owner:"
+MAX_EXPIRY_S = 600.0  # a record may not expire further ahead than this (node records live seconds)
+_SIGNED = b"swarmnode-record-v1"  # domain separation: these signatures mean nothing elsewhere
 
 
 def stage_key(run_id: str, stage: int) -> str:
@@ -37,22 +43,26 @@ def run_key(run_id: str) -> str:
     return f"{run_id}.run"
 
 
-def owned_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
-    """The subkey of this node's record: its peer id, then its public key (which protects the record)."""
-    return peer_id.encode() + validator.local_public_key
+def subkey_of(peer_id: str) -> bytes:
+    """The subkey a node stores its records under: its peer id."""
+    return peer_id.encode()
 
 
 def peer_of_subkey(subkey: object) -> str | None:
-    """The peer id in a record subkey, or None if the subkey is not an owned one with a valid peer id."""
-    if not isinstance(subkey, bytes) or OWNER_MARKER not in subkey:
+    """The peer id a record subkey names, or None if it names none."""
+    if not isinstance(subkey, bytes) or len(subkey) > 128:
         return None
-    peer = subkey.split(OWNER_MARKER, 1)[0]
     try:
-        text = peer.decode("ascii")
+        text = subkey.decode("ascii")
         PeerID.from_base58(text)
     except (UnicodeDecodeError, ValueError):
         return None
     return text
+
+
+def signed_bytes(key: bytes, subkey: bytes, value: bytes, expiration_time: float) -> bytes:
+    """What a record's signature covers (the DHT key id, the serialized subkey, the value, the expiry)."""
+    return MSGPackSerializer.dumps([_SIGNED, key, subkey, value, expiration_time])
 
 
 def decode_record(value: object) -> NodeRecord:
@@ -74,41 +84,67 @@ def decode_run(value: object) -> RunSpec:
 
 
 class SwarmRecordValidator(RecordValidatorBase):
-    """Rejects values under this run's keys that do not decode as their schema, or are not owner-signed."""
+    """Signs this node's records under this run's keys, and admits a value under those keys only if its
+    owner signed it, it expires within `MAX_EXPIRY_S`, and it decodes as its schema. Other keys pass."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, identity: Identity) -> None:
         self._stage_keys = {
             DHTID.generate(source=stage_key(run_id, k)).to_bytes() for k in range(MAX_STAGES + 1)
         }
         self._run_key = DHTID.generate(source=run_key(run_id)).to_bytes()
+        self._identity = identity
+        self._own_subkey = MSGPackSerializer.dumps(subkey_of(identity.peer_id))
+
+    def _ours(self, record: DHTRecord) -> bool:
+        return record.key in self._stage_keys or record.key == self._run_key
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in self._stage_keys and record.key != self._run_key:
+        if not self._ours(record):
             return True
         try:
-            subkey = MSGPackSerializer.loads(record.subkey)
-            value = MSGPackSerializer.loads(record.value)
-            if peer_of_subkey(subkey) is None:
-                raise ProtocolError("subkey carries no owner key")
-            if record.key == self._run_key:
-                decode_run(value)
-            else:
-                decode_record(value)
+            self._check(record)
         except (ProtocolError, RunSpecError, ValueError, TypeError) as error:
-            logger.warning("rejected DHT record: %s", getattr(error, "reason", error))
+            reason = str(getattr(error, "reason", error))[:200]
+            logger.warning("rejected DHT record: %s", reason)
             return False
         return True
 
+    def _check(self, record: DHTRecord) -> None:
+        if record.expiration_time > get_dht_time() + MAX_EXPIRY_S:
+            raise ProtocolError(f"expires more than {MAX_EXPIRY_S:.0f} s ahead")
+        peer = peer_of_subkey(MSGPackSerializer.loads(record.subkey))
+        if peer is None:
+            raise ProtocolError("the subkey names no peer")
+        if len(record.value) <= SIGNATURE_BYTES:
+            raise ProtocolError("unsigned")
+        payload, signature = record.value[:-SIGNATURE_BYTES], record.value[-SIGNATURE_BYTES:]
+        if not verify(
+            peer, signed_bytes(record.key, record.subkey, payload, record.expiration_time), signature
+        ):
+            raise ProtocolError(f"not signed by {peer[-8:]}, the peer it names")
+        value = MSGPackSerializer.loads(payload)
+        if record.key == self._run_key:
+            decode_run(value)
+        else:
+            decode_record(value)
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if not self._ours(record) or record.subkey != self._own_subkey:
+            return record.value
+        data = signed_bytes(record.key, record.subkey, record.value, record.expiration_time)
+        return record.value + self._identity.sign(data)
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        if not self._ours(record) or len(record.value) <= SIGNATURE_BYTES:
+            return record.value
+        return record.value[:-SIGNATURE_BYTES]
+
     @property
     def priority(self) -> int:
-        return 0  # after the signature validator has checked and stripped the signature
+        return 10
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return False
-
-
-def make_validators(run_id: str) -> tuple[RSASignatureValidator, SwarmRecordValidator]:
-    return RSASignatureValidator(), SwarmRecordValidator(run_id)
 
 
 @dataclass(frozen=True)
@@ -127,7 +163,7 @@ def parse_stage_entries(entries: Iterable[tuple[object, object, float]]) -> list
         peer_id = peer_of_subkey(subkey)
         try:
             if peer_id is None:
-                raise ProtocolError("subkey carries no owner key")
+                raise ProtocolError("the subkey names no peer")
             peers.append(PeerRecord(peer_id, decode_record(value), expiration))
         except ProtocolError as error:
             logger.warning("skipping a DHT record: %s", error.reason)

@@ -82,9 +82,9 @@ def format_table(summary: dict[str, Any]) -> str:
 class SwarmObserver:
     """A DHT client that reads the swarm on demand (used by `status` and by the local-swarm launcher)."""
 
-    def __init__(self, initial_peers: Sequence[str], run_id: str) -> None:
+    def __init__(self, initial_peers: Sequence[str], run_id: str, run_owners: Sequence[str] = ()) -> None:
         self.run_id = run_id
-        self._dht = SwarmDHT(run_id, initial_peers, client_mode=True)
+        self._dht = SwarmDHT(run_id, initial_peers, client_mode=True, run_owners=run_owners)
         self._spec: RunSpec | None = None
 
     async def read(self) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from click.testing import CliRunner
 import swarmnode.status
 from swarmnode.cli import main
 from swarmnode.cli import swarm as swarm_cli
+from swarmnode.dht import SwarmDHT
+from swarmnode.identity import Identity
 from swarmnode.node import bootstrap as bootstrap_module
 from swarmnode.runspec import RunSpec
 
@@ -61,6 +63,15 @@ def usage_error(*args: str) -> str:
         (["bootstrap", "--stages", "0"], "0 is not in the range"),
         (["bootstrap", "--run", "/nonexistent/run.json"], "cannot read run file"),
         (["status"], "no initial peers given"),
+        (
+            ["status", "--initial-peers", PEER, "--run-owner", "QmNotAKey"],
+            "peer id QmNotAKey does not carry its public key",
+        ),
+        (
+            ["join", "--stage", "1", "--initial-peers", PEER, "--identity", "/dev/null"],
+            "/dev/null is not an Ed25519 libp2p private key",
+        ),
+        (["bootstrap", "--identity", "/dev/null/x/id.key"], "Invalid value for --identity"),
         (["status", "--initial-peers", f"{PEER},/ip4/1.2.3.4"], "'/ip4/1.2.3.4' (from --initial-peers)"),
     ],
 )
@@ -87,7 +98,7 @@ class FakeDHT:
     instances: ClassVar[list[FakeDHT]] = []
     fail_publish = False
 
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, **options: object) -> None:
         self.shut_down = False
         FakeDHT.instances.append(self)
 
@@ -108,6 +119,19 @@ def fake_dht(monkeypatch: pytest.MonkeyPatch) -> list[FakeDHT]:
     FakeDHT.instances = []
     monkeypatch.setattr(bootstrap_module, "SwarmDHT", FakeDHT)
     return FakeDHT.instances
+
+
+def test_an_identity_file_keeps_the_peer_id_across_restarts(tmp_path: Path) -> None:
+    """`--identity`: the first start creates the key (owner-only), every later start keeps its peer id."""
+    path = tmp_path / "keys" / "bootstrap.key"
+    dht = SwarmDHT("identity", identity_path=path)
+    first = dht.peer_id
+    dht.shutdown()
+    assert path.stat().st_mode & 0o777 == 0o600
+    dht = SwarmDHT("identity", identity_path=path)
+    assert dht.peer_id == first == Identity.load(path).peer_id
+    dht.shutdown()
+    assert SwarmDHT("identity").peer_id != first  # without one, a fresh key each start
 
 
 def test_the_bootstrap_shuts_its_dht_down_when_the_peers_file_cannot_be_written(
@@ -134,7 +158,7 @@ class SlowObserver:
     script: ClassVar[list[Any]] = []
     closed = False
 
-    def __init__(self, initial_peers: list[str], run_id: str) -> None:
+    def __init__(self, initial_peers: list[str], run_id: str, run_owners: tuple[str, ...]) -> None:
         pass
 
     def snapshot(self) -> dict[str, Any]:

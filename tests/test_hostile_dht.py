@@ -9,6 +9,8 @@ daemons: the bootstrap and a stage node.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +22,6 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
@@ -30,10 +31,13 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from procinfo import group_members
 from swarm_harness import LocalTestSwarm, NodeProcess, poll
 
+from protocols.messages import NodeRecord, NodeState, encode
 from swarmnode import msgpack_guard
+from swarmnode.dht import SwarmDHT
+from swarmnode.identity import Identity
 from swarmnode.node.orphans import live_children
-from swarmnode.records import SwarmRecordValidator, decode_run, run_key, stage_key
-from swarmnode.runspec import RunSpecError
+from swarmnode.records import SwarmRecordValidator, decode_run, run_key, signed_bytes, stage_key, subkey_of
+from swarmnode.runspec import RunSpec, RunSpecError
 
 TUPLE_EXT = 0x40  # hivemind's extension type for tuples
 STORE = "DHTProtocol.rpc_store"  # hivemind's handler name for DHT stores
@@ -78,12 +82,14 @@ def test_guarded_decoders_refuse_deep_nesting_and_keep_shallow_values() -> None:
     assert MSGPackSerializer.loads(nested(msgpack_guard.MAX_EXT_DEPTH)) is not None
     with pytest.raises(RunSpecError):
         decode_run(BOMB)
-    validator = SwarmRecordValidator("bombed")
+    identity = Identity.generate()
+    validator = SwarmRecordValidator("bombed", identity)
+    owned = MSGPackSerializer.dumps(subkey_of(identity.peer_id))
     for key in (stage_key("bombed", 1), run_key("bombed")):
         key_id = DHTID.generate(source=key).to_bytes()
-        owned = MSGPackSerializer.dumps(b"12D3KooW" + RSASignatureValidator().local_public_key)
-        assert not validator.validate(DHTRecord(key_id, BOMB, b"x", get_dht_time() + 10))
-        assert not validator.validate(DHTRecord(key_id, owned, BOMB, get_dht_time() + 10))
+        assert not validator.validate(DHTRecord(key_id, BOMB, b"x" * 80, get_dht_time() + 10))
+        bombed = DHTRecord(key_id, owned, BOMB, get_dht_time() + 10)
+        assert not validator.validate(dataclasses.replace(bombed, value=validator.sign_value(bombed)))
 
 
 async def _attack(victims: list[str], maddrs: list[str], run_id: str) -> int:
@@ -171,3 +177,70 @@ def test_a_daemon_whose_dht_process_dies_stops_and_leaves_nothing(swarm: LocalTe
     assert time.monotonic() - killed_at < 10
     assert "the DHT process" in node.stderr_tail() and "Stopping" in node.stderr_tail()
     poll(lambda: not group_members([node.pgid]), 10, "the orphaned p2pd to be ended by the daemon")
+
+
+async def _impersonate(victims: list[str], maddrs: list[str], run_id: str, attacker: Identity) -> list[bool]:
+    """Store, at each victim, a record in the name of victims[0]: signed with the attacker's own key, and
+    expiring in five minutes. Returns each victim's store_ok."""
+    p2p = await P2P.create(initial_peers=maddrs)
+    try:
+        key = DHTID.generate(source=stage_key(run_id, 1)).to_bytes()
+        subkey = MSGPackSerializer.dumps(subkey_of(victims[0]))
+        value = MSGPackSerializer.dumps(encode(NodeRecord(NodeState.ONLINE, 1, 10**6, 0)))
+        expiry = get_dht_time() + 300
+        signature = attacker.sign(signed_bytes(key, subkey, value, expiry))
+        request = dht_pb2.StoreRequest(
+            keys=[key],
+            subkeys=[subkey],
+            values=[value + signature],
+            expiration_time=[expiry],
+            in_cache=[False],
+        )
+        answers = []
+        for victim in victims:
+            call = p2p.call_protobuf_handler(
+                PeerID.from_base58(victim), STORE, request, dht_pb2.StoreResponse
+            )
+            answers.append(all((await asyncio.wait_for(call, 10)).store_ok))
+        return answers
+    finally:
+        await p2p.shutdown()
+
+
+async def _publish_run(spec: RunSpec, maddrs: list[str], seconds: float) -> str:
+    """A stranger's own DHT peer publishes its run definition under the run's key, validly self-signed."""
+    dht = SwarmDHT(spec.run_id, maddrs)
+    try:
+        if not await dht.publish_run(spec, seconds):
+            raise RuntimeError("the stranger's run definition was not stored")
+        return dht.peer_id
+    finally:
+        await dht.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_stranger_can_neither_speak_for_a_node_nor_redefine_the_run(swarm: LocalTestSwarm) -> None:
+    swarm.bootstrap(steps=1)
+    node = swarm.join(1)
+    swarm.wait_online(node)
+    maddrs = swarm.peers_file.read_text().split()
+    victims = [_peer_id(node), maddrs[0].rsplit("/p2p/", 1)[1]]
+
+    assert asyncio.run(_impersonate(victims, maddrs, swarm.run_id, Identity.generate())) == [False, False]
+    evil = RunSpec.for_preset("tiny", run_id=swarm.run_id, stages=1, lr=10.0)
+    stranger = asyncio.run(_publish_run(evil, maddrs, 300.0))
+
+    summary = swarm.status()  # reads the run through the bootstrap's address: the bootstrap owns the run
+    assert len(summary["stages"]) == 4  # the bootstrap's three transformer stages, not the stranger's one
+    peers = [p for s in summary["stages"] for p in s["peers"]]
+    assert [(p["peer_id"], p["step"]) for p in peers] == [(victims[0], 0)]  # no forged step 10**6
+    late = swarm.join(2)  # a later joiner also takes the owner's definition
+    swarm.wait_online(late)
+    assert late.events("online")[0]["stage"] == 2
+    watcher = swarm.swarmnode(
+        "status-owner", "status", "--initial-peers", str(swarm.peers_file), "--run-id", swarm.run_id,
+        "--run-owner", stranger, "--json",
+    )  # fmt: skip
+    assert watcher.wait_exit(60) == 0
+    assert len(json.loads(watcher.lines()[-1])["stages"]) == 2  # named as the owner, the stranger is believed

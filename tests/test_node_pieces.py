@@ -3,17 +3,18 @@ record validation and the run definition."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 import pytest
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
-from hivemind.utils import MSGPackSerializer
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from protocols.messages import NodeRecord, NodeState, StatePart, encode
+from swarmnode.identity import Identity
 from swarmnode.model import ModelConfig, build_stage
 from swarmnode.node.planning import Snapshot, plan_iteration
 from swarmnode.node.run import choose_stage, leaves_claim
@@ -26,7 +27,7 @@ from swarmnode.node.state import (
     weights,
 )
 from swarmnode.optim import Schedule, StageOptimizer
-from swarmnode.records import PeerRecord, SwarmRecordValidator, owned_subkey, peer_of_subkey, stage_key
+from swarmnode.records import PeerRecord, SwarmRecordValidator, peer_of_subkey, stage_key, subkey_of
 from swarmnode.runspec import RunSpec, RunSpecError
 
 
@@ -168,7 +169,7 @@ def test_weights_and_optimizer_state_round_trip() -> None:
     donor_opt.step()
     receiver, receiver_opt = tiny_stage()
     sent = {**weights(donor), **optimizer_state(donor, donor_opt, weights(donor), None)}
-    checked = check_replica_state(receiver, sent)
+    checked = check_replica_state(receiver, sent, **BOUNDS)
     load_replica_state(receiver, receiver_opt, checked)
     for (name, a), (_, b) in zip(donor.named_parameters(), receiver.named_parameters(), strict=True):
         assert torch.equal(a, b), name
@@ -176,6 +177,8 @@ def test_weights_and_optimizer_state_round_trip() -> None:
         assert torch.equal(checked.phi[name], a.detach())
     assert checked.delta is None
 
+
+BOUNDS = {"max_grad_norm": 1.0, "max_step": 10}  # the donor's clipping, and the step it claims (+ margin)
 
 Poison = Callable[[dict[str, torch.Tensor], str], dict[str, torch.Tensor]]
 
@@ -198,6 +201,12 @@ def donor_state() -> dict[str, torch.Tensor]:
         (lambda t, n: {f"outer.phi.{n}": torch.full_like(t[n], math.nan)}, "outer phi"),
         (lambda t, n: {f"outer.delta.{n}": torch.full_like(t[n], math.inf)}, "outer delta"),
         (lambda t, n: {f"outer.phi.{n}": torch.zeros(3)}, "shape"),
+        # finite but beyond what an honest donor holds (protocols.bounds)
+        (lambda t, n: {f"adam.{n}.exp_avg": torch.full_like(t[n], 1e30)}, "exp_avg of"),
+        (lambda t, n: {f"adam.{n}.exp_avg_sq": torch.full_like(t[n], 1e30)}, "exp_avg_sq of"),
+        (lambda t, n: {f"adam.{n}.step": torch.tensor(float(2**63 - 1))}, "adam step"),
+        (lambda t, n: {f"outer.phi.{n}": torch.full_like(t[n], 1e30)}, "outer phi"),
+        (lambda t, n: {f"outer.delta.{n}": torch.full_like(t[n], 1e30)}, "outer delta"),
     ],
 )
 def test_a_poisoned_replica_state_is_refused_before_anything_changes(poison: Poison, words: str) -> None:
@@ -206,10 +215,10 @@ def test_a_poisoned_replica_state_is_refused_before_anything_changes(poison: Poi
     receiver, receiver_opt = tiny_stage()
     before = weights(receiver)
     with pytest.raises(StateMismatch, match=words):
-        check_replica_state(receiver, {**sent, **poison(sent, name)})
+        check_replica_state(receiver, {**sent, **poison(sent, name)}, **BOUNDS)
     incomplete = {k: v for k, v in sent.items() if k != f"adam.{name}.exp_avg"}
     with pytest.raises(StateMismatch, match="incomplete"):
-        check_replica_state(receiver, incomplete)
+        check_replica_state(receiver, incomplete, **BOUNDS)
     assert all(torch.equal(t, before[n]) for n, t in weights(receiver).items())
     assert not receiver_opt.adam.state
 
@@ -232,25 +241,44 @@ def test_mismatched_or_poisoned_state_is_refused() -> None:
 # ---- DHT records ------------------------------------------------------------------------------------------
 
 
-def dht_record(key: str, subkey: bytes, value: object) -> DHTRecord:
+def dht_record(key: str, subkey: bytes, value: object, expires: float = 60.0) -> DHTRecord:
     return DHTRecord(
         DHTID.generate(source=key).to_bytes(),
         MSGPackSerializer.dumps(subkey),
         MSGPackSerializer.dumps(value),
-        1e12,
+        get_dht_time() + expires,
     )
 
 
-def test_record_validator_accepts_owned_records_and_rejects_garbage() -> None:
-    validator = SwarmRecordValidator("run")
-    subkey = owned_subkey("12D3KooWpeer", RSASignatureValidator())
-    assert peer_of_subkey(subkey) == "12D3KooWpeer"
+def signed(validator: SwarmRecordValidator, record: DHTRecord) -> DHTRecord:
+    return dataclasses.replace(record, value=validator.sign_value(record))
+
+
+def test_records_are_signed_by_the_peer_they_name() -> None:
+    owner, stranger = Identity.generate(), Identity.generate()
+    mine, theirs = SwarmRecordValidator("run", owner), SwarmRecordValidator("run", stranger)
+    subkey = subkey_of(owner.peer_id)
+    assert peer_of_subkey(subkey) == owner.peer_id and peer_of_subkey(b"12D3KooWnot-a-peer") is None
     good = encode(record(2))
-    assert validator.validate(dht_record(stage_key("run", 2), subkey, good))
-    assert not validator.validate(dht_record(stage_key("run", 2), subkey, b"\x93garbage"))
-    assert not validator.validate(dht_record(stage_key("run", 2), b"no-owner", good))
-    assert not validator.validate(dht_record("run.run", subkey, MSGPackSerializer.dumps({"preset": "x"})))
-    assert validator.validate(dht_record("another.key", b"x", b"anything"))  # not ours to judge
+    stored = signed(mine, dht_record(stage_key("run", 2), subkey, good))
+    assert theirs.validate(stored) and mine.validate(stored)
+    assert mine.strip_value(stored) == MSGPackSerializer.dumps(good)
+    # a stranger speaking in the owner's name: signed with its own key, or the owner's signature reused
+    assert not theirs.validate(signed(theirs, dht_record(stage_key("run", 2), subkey, good)))
+    assert theirs.sign_value(dht_record(stage_key("run", 2), subkey, good)) == MSGPackSerializer.dumps(good)
+    longer = dataclasses.replace(stored, expiration_time=stored.expiration_time + 100)
+    assert not mine.validate(longer)
+    other = encode(record(3))
+    forged = dataclasses.replace(stored, value=MSGPackSerializer.dumps(other) + stored.value[-64:])
+    assert not mine.validate(forged)
+    assert not mine.validate(dht_record(stage_key("run", 2), subkey, good))  # unsigned
+    # signed, but too far in the future, of the wrong schema, or under a subkey that names no peer
+    assert not mine.validate(signed(mine, dht_record(stage_key("run", 2), subkey, good, expires=1e6)))
+    assert not mine.validate(signed(mine, dht_record(stage_key("run", 2), subkey, b"\x93garbage")))
+    assert not mine.validate(signed(mine, dht_record(stage_key("run", 2), b"no-owner", good)))
+    run = MSGPackSerializer.dumps({"preset": "x"})
+    assert not mine.validate(signed(mine, dht_record("run.run", subkey, run)))
+    assert mine.validate(dht_record("another.key", b"x", b"anything"))  # not ours to judge
 
 
 # ---- run definition ---------------------------------------------------------------------------------------

@@ -12,9 +12,15 @@ import click
 
 from swarmnode.data import DataError, load_corpus
 from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable, RunNotFound, read_initial_peers
+from swarmnode.identity import Identity, IdentityError, public_key_of
 from swarmnode.runspec import RunSpec, RunSpecError
 
 PEERS_HELP = "Multiaddrs (comma separated) or a file with one per line; also $SWARMNODE_INITIAL_PEERS."
+IDENTITY_HELP = "Keep this node's key (its peer id) in FILE, created if missing, so it survives restarts."
+OWNER_HELP = (
+    "Peer id of the run's owner (the bootstrap: the id at the end of its address); the run definition is "
+    "taken only from it. Default: the peers named by --initial-peers."
+)
 DHT_TIMEOUT = f"a DHT call got no answer within {DHT_CALL_TIMEOUT_S:g} s"
 
 
@@ -51,6 +57,29 @@ def _peers_file_or_fail(path: Path | None) -> None:
         ) from None
 
 
+def _identity_or_fail(path: Path | None) -> Path | None:
+    """`--identity`: an existing file must hold a usable key, and a new one must be creatable."""
+    if path is None:
+        return None
+    try:
+        if path.exists():
+            Identity.load(path)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    except (IdentityError, OSError) as error:
+        raise click.BadParameter(str(error), param_hint="--identity") from None
+    return path
+
+
+def _owners_or_fail(values: tuple[str, ...]) -> tuple[str, ...]:
+    for value in values:
+        try:
+            public_key_of(value)
+        except IdentityError as error:
+            raise click.BadParameter(str(error), param_hint="--run-owner") from None
+    return values
+
+
 def _peers_or_fail(value: str | None) -> list[str]:
     try:
         peers = read_initial_peers(value)
@@ -82,6 +111,7 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option(
     "--peers-file", type=click.Path(path_type=Path), default=None, help="Write the multiaddrs here."
 )
+@click.option("--identity", type=click.Path(path_type=Path), default=None, help=IDENTITY_HELP)
 @click.option("-v", "--verbose", is_flag=True)
 def bootstrap(
     preset: str | None,
@@ -100,15 +130,19 @@ def bootstrap(
     port: int,
     public: bool,
     peers_file: Path | None,
+    identity: Path | None,
     verbose: bool,
 ) -> None:
-    """Run the swarm's entry peer: publish the run definition and print the multiaddrs to join."""
+    """Run the swarm's entry peer: publish the run definition and print the multiaddrs to join.
+
+    Its peer id owns the run: joiners take the run definition only from it."""
     from swarmnode.node.bootstrap import run_bootstrap
 
     _logging(verbose)
     if preset is not None and run_file is not None:
         raise click.UsageError("give either --preset or --run, not both")
     _peers_file_or_fail(peers_file)
+    identity = _identity_or_fail(identity)
     try:
         base = RunSpec.from_file(run_file) if run_file is not None else RunSpec.for_preset(preset or "tiny")
         spec = base.with_overrides(
@@ -128,7 +162,7 @@ def bootstrap(
         raise click.UsageError(str(error.args[0] if error.args else error)) from None
     spec = spec.with_overrides(vocab_size=corpus.vocab_size)
     try:
-        code = _run_async(run_bootstrap(spec, host, port, public, peers_file))
+        code = _run_async(run_bootstrap(spec, host, port, public, peers_file, identity))
     except DHTUnavailable as error:
         raise click.ClickException(str(error)) from None
     except TimeoutError:
@@ -187,6 +221,8 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @click.option(
     "--rebalance", is_flag=True, help="Move to a stage that lost all its nodes if this one has spares."
 )
+@click.option("--identity", type=click.Path(path_type=Path), default=None, help=IDENTITY_HELP)
+@click.option("--run-owner", "run_owners", multiple=True, envvar="SWARMNODE_RUN_OWNER", help=OWNER_HELP)
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
 @click.option("-v", "--verbose", is_flag=True)
 def join(
@@ -201,6 +237,8 @@ def join(
     shard: str | None,
     tokenizer: Path | None,
     rebalance: bool,
+    identity: Path | None,
+    run_owners: tuple[str, ...],
     dump_recovery: Path | None,
     verbose: bool,
 ) -> None:
@@ -222,6 +260,8 @@ def join(
         tokenizer=tokenizer,
         dump_recovery=dump_recovery,
         rebalance=rebalance,
+        identity=_identity_or_fail(identity),
+        run_owners=_owners_or_fail(run_owners),
     )
     try:
         code = _run_async(run_join(options))
@@ -239,12 +279,15 @@ def join(
 @click.option("--run-id", default="swarm", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--watch", is_flag=True, help="Refresh every 2 seconds until interrupted.")
-def status(initial_peers: str | None, run_id: str, as_json: bool, watch: bool) -> None:
+@click.option("--run-owner", "run_owners", multiple=True, envvar="SWARMNODE_RUN_OWNER", help=OWNER_HELP)
+def status(
+    initial_peers: str | None, run_id: str, as_json: bool, watch: bool, run_owners: tuple[str, ...]
+) -> None:
     """Show the swarm: stages, their peers and states, steps, loss, throughput (read from the DHT only)."""
     from swarmnode.status import SwarmObserver, format_table
 
     try:
-        observer = SwarmObserver(_peers_or_fail(initial_peers), run_id)
+        observer = SwarmObserver(_peers_or_fail(initial_peers), run_id, _owners_or_fail(run_owners))
     except DHTUnavailable as error:
         raise click.ClickException(str(error)) from None
     try:

@@ -30,14 +30,16 @@ def write_peers_file(path: Path, maddrs: list[str]) -> None:
     os.replace(tmp, path)
 
 
-async def run_bootstrap(spec: RunSpec, host: str, port: int, public: bool, peers_file: Path | None) -> int:
+async def run_bootstrap(
+    spec: RunSpec, host: str, port: int, public: bool, peers_file: Path | None, identity: Path | None = None
+) -> int:
     """Publish the run until SIGINT/SIGTERM (exit code 0), or until the DHT fails (1); the DHT is shut down
-    on every way out, errors included."""
+    on every way out, errors included. The bootstrap's key (kept in `identity`, if given) owns the run."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    dht = SwarmDHT(spec.run_id, (), host, port, public)
+    dht = SwarmDHT(spec.run_id, (), host, port, public, identity_path=identity)
     try:
         await dht.publish_run(spec, RUN_TTL_S)
         maddrs = dht.visible_maddrs()

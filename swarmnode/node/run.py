@@ -53,6 +53,8 @@ class JoinOptions:
     tokenizer: Path | None = None
     dump_recovery: Path | None = None
     rebalance: bool = False
+    identity: Path | None = None  # where this node's key is kept (None: a fresh key each start)
+    run_owners: tuple[str, ...] = ()  # whose run definition to accept (empty: the initial peers')
 
 
 def choose_stage(live: dict[int, list[PeerRecord]]) -> int:
@@ -136,7 +138,15 @@ async def run_join(options: JoinOptions) -> int:
     started = time.monotonic()
     adopt_orphans()  # a DHT process that crashes leaves its p2pd to this process, which ends it
     threading.Thread(target=_warm_torch, name="warm-torch", daemon=True).start()
-    dht = SwarmDHT(options.run_id, options.initial_peers, options.host, options.port, options.public)
+    dht = SwarmDHT(
+        options.run_id,
+        options.initial_peers,
+        options.host,
+        options.port,
+        options.public,
+        identity_path=options.identity,
+        run_owners=options.run_owners,
+    )
     emit("joining", phase="dht", seconds=round(time.monotonic() - started, 3))
     try:
         spec = await dht.wait_for_run(RUN_WAIT_S)
