@@ -1,9 +1,11 @@
 """The tests' clients of a swarm, each run as a separate process by `LocalTestSwarm.client`:
 
-    python swarm_clients.py {hostile,weights} PEERS_FILE RUN_ID ARGS...
+    python swarm_clients.py {hostile,weights,requester,averager} PEERS_FILE RUN_ID ARGS...
 
 `hostile_main` is a hostile peer that sends bad "forward" calls; `weights_main` observes two replicas'
-weights. hivemind and torch are imported inside them, so importing this module (for `CLIENTS`) stays cheap.
+weights (announcing itself as a node recovering their stage: state goes to joiners only); the state and
+averaging clients are in state_clients.py. hivemind and torch are imported inside them, so importing
+this module (for `CLIENTS`) stays cheap.
 """
 
 from __future__ import annotations
@@ -15,24 +17,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from state_clients import STATE_CLIENTS
+
 VALID_ATTEMPTS = 10  # the hostile peer's tries of its valid-looking call (see hostile_main)
 WEIGHTS_PERIOD_S = 0.1  # how often the weights observer asks both replicas for their weights
 
 
-def _client_dht(peers_file: str):  # type: ignore[no-untyped-def]
+def _client_dht(peers_file: str, run_id: str):  # type: ignore[no-untyped-def]
     """A DHT client of the run on loopback, no NAT port mapping (hivemind imported here, not by pytest)."""
-    import hivemind
+    from swarmnode.dht import SwarmDHT, read_initial_peers
 
-    from swarmnode.dht import read_initial_peers
+    return SwarmDHT(run_id, read_initial_peers(peers_file), client_mode=True)
 
-    return hivemind.DHT(
-        initial_peers=read_initial_peers(peers_file),
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        nat_port_map=False,
-        client_mode=True,
-        start=True,
-        await_ready=True,
-    )
+
+async def _announce(dht, stage: int, state: str) -> None:  # type: ignore[no-untyped-def]
+    """Publish a record saying this client is `state` at `stage` (as a joiner would), every second."""
+    import asyncio
+
+    from protocols.messages import NodeRecord, NodeState
+
+    record = NodeRecord(state=NodeState(state), stage=stage, step=0, outer_step=0)
+    while True:
+        await dht.publish(record, 4.0)
+        await asyncio.sleep(1.0)
 
 
 def _say(**fields: Any) -> None:
@@ -78,7 +85,7 @@ def hostile_main(argv: Sequence[str]) -> int:
         spec = (TensorSpec("hidden", shape, "float32"),)
         return encode(Forward(run_id, iteration, 0, (me, peer, me), 1, (0, stage, 0), (1, 1, 1), spec))
 
-    async def attack(p2p) -> None:  # type: ignore[no-untyped-def]
+    async def attack(p2p, dht) -> None:  # type: ignore[no-untyped-def]
         transport = Transport(p2p)
         me = str(p2p.peer_id)
         _say(event="ready", peer_id=me)
@@ -116,7 +123,7 @@ def hostile_main(argv: Sequence[str]) -> int:
         await transport.close()
         _say(event="done")
 
-    return _run_client(peers_file, attack)
+    return _run_client(peers_file, run_id, attack)
 
 
 def weights_main(argv: Sequence[str]) -> int:
@@ -169,7 +176,8 @@ def weights_main(argv: Sequence[str]) -> int:
                 phi = {name: t for name, t in got[1].items() if name.startswith(prefix)}
                 phis[peer].setdefault(got[0].outer_step, flat(phi))
 
-    async def observe(p2p) -> None:  # type: ignore[no-untyped-def]
+    async def observe(p2p, dht) -> None:  # type: ignore[no-untyped-def]
+        announcing = asyncio.create_task(_announce(dht, stage, "recovering"))  # state goes to joiners only
         transport = Transport(p2p)
         _say(event="ready", peer_id=str(p2p.peer_id))
         deadline = time.monotonic() + 600
@@ -179,6 +187,7 @@ def weights_main(argv: Sequence[str]) -> int:
             rounds += 1
             await asyncio.sleep(WEIGHTS_PERIOD_S)
         await transport.close()
+        announcing.cancel()
         a, b = (thetas[peer] for peer in peers)
         for step in sorted(set(a) & set(b)):
             (outer_a, theta_a), (outer_b, theta_b) = a[step], b[step]
@@ -190,21 +199,20 @@ def weights_main(argv: Sequence[str]) -> int:
             _say(outer_step=outer, phi_distance=phi_distance, phi_norm=float(a[outer].norm()))
         _say(event="done", rounds=rounds)
 
-    return _run_client(peers_file, observe)
+    return _run_client(peers_file, run_id, observe)
 
 
-def _run_client(peers_file: str, body) -> int:  # type: ignore[no-untyped-def]
-    """Run `body(p2p)` on a replica of a fresh DHT client's P2P; shut both down whatever happens."""
+def _run_client(peers_file: str, run_id: str, body) -> int:  # type: ignore[no-untyped-def]
+    """Run `body(p2p, dht)` on a fresh DHT client's P2P; shut both down whatever happens."""
     import asyncio
 
     async def main(dht) -> None:  # type: ignore[no-untyped-def]
-        p2p = await dht.replicate_p2p()
         try:
-            await body(p2p)
+            await body(await dht.replicate_p2p(), dht)
         finally:
-            await p2p.shutdown()  # the replica's client socket file goes with it
+            await dht.close()  # the P2P replica's client socket file goes with it
 
-    dht = _client_dht(peers_file)
+    dht = _client_dht(peers_file, run_id)
     try:
         asyncio.run(main(dht))
     finally:
@@ -212,7 +220,7 @@ def _run_client(peers_file: str, body) -> int:  # type: ignore[no-untyped-def]
     return 0
 
 
-CLIENTS = {"hostile": hostile_main, "weights": weights_main}
+CLIENTS = {"hostile": hostile_main, "weights": weights_main, **STATE_CLIENTS}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in CLIENTS:

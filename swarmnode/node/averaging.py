@@ -18,11 +18,13 @@ import torch
 from hivemind.p2p import PeerID
 from torch import Tensor, nn
 
+from protocols.bounds import drift_problem
 from protocols.errors import ProtocolError
 from protocols.messages import (
     AveragingReply,
     AveragingRequest,
     Decline,
+    ErrorCode,
     Rpc,
     TensorSpec,
     bounded,
@@ -30,6 +32,7 @@ from protocols.messages import (
     encode,
 )
 from protocols.noloco import OuterConfig, OuterResult, PairingRound, Phase, noloco_outer_step, pairing_seed
+from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
 from swarmnode.node.state import manifest
@@ -181,6 +184,38 @@ class OuterLoop:
                 await asyncio.sleep(min(0.25, max(0.0, rnd.deadline - clock())))
             else:
                 rnd.fail(reply.reason)
+
+    async def serve(
+        self, peer: str, request: AveragingRequest, tensors: list[Tensor]
+    ) -> tuple[AveragingReply, list[Tensor]]:
+        """A partner's request, checked, then `on_request`. Tensors that are not this stage's parameters or
+        not finite are refused (`Rejected`: the sender is banned); tensors further than `bounds.MAX_DRIFT`
+        from our phi are declined with the reason and a `rejected` event, unbanned (a replica rebuilt apart
+        may differ that much in good faith), and never applied."""
+        if request.stage != self.stage:
+            why = f"averaging for stage {request.stage} sent to stage {self.stage}"
+            raise Rejected(ErrorCode.WRONG_STAGE, why)
+        expected = [(name, tuple(p.shape)) for name, p in self.module.named_parameters()]
+        shapes = [shape for _, shape in expected] * 2  # phi, then theta
+        if (
+            [(s.name, s.shape) for s in request.phi] != expected
+            or [tuple(t.shape) for t in tensors] != shapes
+            or not all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in tensors)
+        ):
+            raise Rejected(ErrorCode.MALFORMED, "averaging tensors do not match this stage's parameters")
+        phi, theta = _split(request.phi, tensors)
+        own = self.phi
+        far = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: drift_problem(own, (("phi", phi), ("theta", theta)))
+        )
+        if far is not None:
+            logger.warning("declined averaging tensors from %s: %s", peer[-8:], far)
+            emit("rejected", peer_id=peer, code="out_of_bounds", reason=far)
+            reply = AveragingReply(
+                self.run_id, self.stage, request.outer_step, False, bounded(far), decline=Decline.MALFORMED
+            )
+            return reply, []
+        return self.on_request(peer, request, tensors)
 
     def on_request(
         self, peer: str, request: AveragingRequest, tensors: list[Tensor]

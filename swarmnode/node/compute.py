@@ -3,7 +3,8 @@
 Torch work runs off the event loop, so RPC handlers keep answering while a stage computes. Tasks run one
 at a time in priority order, FIFO within a priority: an optimizer step first (it is only ever queued when
 nothing is held, and must run before newly arrived forward passes), then backward passes (they free
-activations), then forward passes.
+activations), then forward passes, and last the snapshots that state transfers are served from (a peer's
+request never delays training).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Priority(enum.IntEnum):
     STEP = 0
     BACKWARD = 1
     FORWARD = 2
+    SERVE = 3
 
 
 class ComputeQueue:

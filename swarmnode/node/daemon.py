@@ -15,11 +15,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from hivemind.p2p import PeerID
 from torch import Tensor
 
-from protocols.checkfree import Recovery
+from protocols.bounds import CLOCK_MARGIN
+from protocols.checkfree import Recovery, replica_lr_factor
 from protocols.messages import (
     REQUESTS,
     Abort,
@@ -46,10 +46,11 @@ from swarmnode.dht import SwarmDHT
 from swarmnode.node import recovery, state
 from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.checks import BANNED_FOR, Rejected, decode_from_peer, hop_tensor
-from swarmnode.node.compute import ComputeQueue, Priority
+from swarmnode.node.compute import ComputeQueue
 from swarmnode.node.events import emit
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.router import Router
+from swarmnode.node.serving import StateServer, request_seconds
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import build_piece
 from swarmnode.presets import get_preset
@@ -83,10 +84,13 @@ class Node:
         self.recovery: tuple[str, float] | None = None
         self.rng = random.Random(f"{spec.seed}/{self.me}")
         self.compression = Compression.FLOAT16 if spec.compression == "float16" else Compression.NONE
-        self.transport_config = TransportConfig(direct_host=direct_host, ban_seconds=BAN_SECONDS)
+        self.transport_config = TransportConfig(
+            direct_host=direct_host, ban_seconds=BAN_SECONDS, max_request_seconds=request_seconds(spec)
+        )
         self.transport: Transport
         self.router: Router
         self.outer: OuterLoop
+        self.state_server = StateServer(self)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._stepping = False
@@ -289,55 +293,26 @@ class Node:
     async def _on_state(
         self, peer: str, request: StateRequest, tensors: list[Tensor]
     ) -> tuple[bytes, list[Tensor]]:
-        if request.stage != self.stage:
-            raise Rejected(
-                ErrorCode.WRONG_STAGE, f"state of stage {request.stage} asked from stage {self.stage}"
-            )
-        if self.state != NodeState.ONLINE:
-            raise Rejected(ErrorCode.BUSY, f"this node is {self.state}, not online")
-        header, tensors_out = await self.compute.submit(
-            Priority.STEP, lambda: self._state_parts(request.parts)
-        )
-        return encode(header), tensors_out
+        return await self.state_server.serve(peer, request)
 
-    def _state_parts(self, parts: tuple[StatePart, ...]) -> tuple[StateTransfer, list[Tensor]]:
-        """On the compute thread: the requested parts of this node's state, as one manifest."""
-        out: state.TensorMap = {}
-        for part in parts:
-            if part == StatePart.WEIGHTS:
-                out.update(state.weights(self.piece))
-            elif part == StatePart.OPTIMIZER:
-                out.update(
-                    state.optimizer_state(self.piece, self.optimizer, self.outer.phi, self.outer.delta)
-                )
-            elif self.stage == 0:
-                out.update(state.split_piece_copy(state.weights(self.piece), part))
-            elif part in self.copies:
-                out.update(self.copies[part])
-            else:
-                raise Rejected(ErrorCode.BUSY, f"this node holds no {part}")
-        header = StateTransfer(
-            self.spec.run_id,
-            self.stage,
-            parts,
-            self.optimizer.step_count,
-            self.outer.outer_step,
-            self.optimizer.last_grad_norm,
-            state.manifest(out),
-            self.optimizer.lr_factor,
+    def check_replica(self, header: StateTransfer, received: state.TensorMap) -> state.ReplicaState:
+        """A live replica's state, checked against this stage and the bounds of `protocols.bounds`, before
+        anything of it is loaded; its lr factor must be one the recovery rules set."""
+        replica_lr_factor(header.lr_factor)
+        return state.check_replica_state(
+            self.piece, received, max_grad_norm=self.spec.max_grad_norm, max_step=header.step + CLOCK_MARGIN
         )
-        return header, list(out.values())
 
     def load_replica(self, header: StateTransfer, received: state.TensorMap) -> None:
         """On the compute thread: become a copy of a live replica (weights, Adam moments, NoLoCo state, lr
-        factor)."""
-        checked = state.check_replica_state(self.piece, received)  # refused state changes nothing
+        factor), checked again here (a refused state changes nothing)."""
+        checked = self.check_replica(header, received)
         state.load_replica_state(self.piece, self.optimizer, checked)
         self.outer.phi, self.outer.delta = checked.phi, checked.delta
         self.outer.resume_at(header.outer_step)
         self.optimizer.step_count = header.step
         self.optimizer.last_grad_norm = header.grad_norm
-        self.optimizer.lr_factor = header.lr_factor
+        self.optimizer.lr_factor = replica_lr_factor(header.lr_factor)
 
     def load_rebuilt(self, rebuilt: state.TensorMap, plan: Recovery, step: int | None) -> None:
         """On the compute thread: load rebuilt weights; fresh optimizer with the plan's lr factor."""
@@ -359,16 +334,7 @@ class Node:
     async def _on_average(
         self, peer: str, request: AveragingRequest, tensors: list[Tensor]
     ) -> tuple[bytes, list[Tensor]]:
-        if request.stage != self.stage:
-            raise Rejected(
-                ErrorCode.WRONG_STAGE, f"averaging for stage {request.stage} sent to stage {self.stage}"
-            )
-        expected = {name: tuple(p.shape) for name, p in self.piece.named_parameters()}
-        if [(s.name, s.shape) for s in request.phi] != list(expected.items()) or not all(
-            t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in tensors
-        ):
-            raise Rejected(ErrorCode.MALFORMED, "averaging tensors do not match this stage's parameters")
-        reply, out = self.outer.on_request(peer, request, tensors)
+        reply, out = await self.outer.serve(peer, request, tensors)
         return encode(reply), out
 
     # ---- stage work, overridden by StageNode and DataNode ----------------------------------------------

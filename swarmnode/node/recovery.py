@@ -10,15 +10,18 @@ initial weights.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from hivemind.p2p import PeerID
 
+from protocols.bounds import clock_problem
 from protocols.checkfree import (
     Method,
     Recovery,
@@ -28,23 +31,40 @@ from protocols.checkfree import (
     restore_embeddings,
 )
 from protocols.errors import ProtocolError
-from protocols.messages import Rpc, StatePart, StateRequest, StateTransfer, decode, encode
+from protocols.messages import (
+    Error,
+    ErrorCode,
+    NodeState,
+    Rpc,
+    StatePart,
+    StateRequest,
+    StateTransfer,
+    decode,
+    encode,
+)
 from swarmnode.node import state
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
 from swarmnode.node.liveness import live_peers, trained_peers
 from swarmnode.node.planning import Snapshot
+from swarmnode.node.serving import STATE_SECONDS
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Transport, TransportError
 
 logger = logging.getLogger(__name__)
 
-FETCH_TIMEOUT_S = 120.0
+FETCH_TIMEOUT_S = STATE_SECONDS  # what a donor allows one transfer (`node.serving`)
+BUSY_RETRY_S = 0.5  # when every donor is busy, ask them all again after this pause...
+BUSY_WAIT_S = STATE_SECONDS  # ...for as long as one transfer may take
 RECOVERY_ATTEMPTS = 3
 
 
 class RecoveryFailed(Exception):
     """No donor could provide the state the recovery plan needs."""
+
+
+class DonorBusy(Exception):
+    """The donor serves other transfers now (answered BUSY): worth asking again."""
 
 
 class Joiner(Protocol):
@@ -64,6 +84,8 @@ class Joiner(Protocol):
 
     async def refresh_snapshot(self) -> None: ...
 
+    def check_replica(self, header: StateTransfer, received: state.TensorMap) -> state.ReplicaState: ...
+
     def load_replica(self, header: StateTransfer, received: state.TensorMap) -> None: ...
 
     def load_rebuilt(self, rebuilt: state.TensorMap, plan: Recovery, step: int | None) -> None: ...
@@ -72,29 +94,71 @@ class Joiner(Protocol):
 async def fetch(
     node: Joiner, peer: str, stage: int, parts: tuple[StatePart, ...]
 ) -> tuple[StateTransfer, state.TensorMap]:
+    """`parts` of `stage` from `peer`; its step and outer step must lie within the swarm's range
+    (`protocols.bounds.clock_problem`; the view is read again once before a donor is refused for it)."""
     request = StateRequest(node.spec.run_id, stage, parts)
     meta, tensors = await node.transport.call(
         PeerID.from_base58(peer), Rpc.STATE, encode(request), [], timeout=FETCH_TIMEOUT_S
     )
-    header = decode(meta, StateTransfer)
+    header = decode(meta)
+    if isinstance(header, Error):
+        refused = DonorBusy if header.code == ErrorCode.BUSY else state.StateMismatch
+        raise refused(f"{peer[-8:]} refused: {header.code}: {header.reason}")
+    if not isinstance(header, StateTransfer):
+        raise state.StateMismatch(f"{peer[-8:]} answered a {type(header).__name__}, not a state transfer")
     if header.stage != stage or set(header.parts) != set(parts):
         raise state.StateMismatch(f"asked stage {stage} {parts}, got stage {header.stage} {header.parts}")
-    return header, state.unpack(header.tensors, tensors)
+    for refreshed in (False, True):
+        problem = clock_problem(
+            header.step,
+            header.outer_step,
+            clock=swarm_clock(node.snapshot),
+            inner_steps=node.spec.noloco_inner_steps,
+        )
+        if problem is None:
+            return header, state.unpack(header.tensors, tensors)
+        if not refreshed:
+            await node.refresh_snapshot()
+    raise state.StateMismatch(f"{peer[-8:]} is out of the swarm's range: {problem}")
+
+
+def swarm_clock(view: Snapshot) -> int:
+    """The swarm clock (`Snapshot.clock`); while no data node is online, the furthest online node's step."""
+    if view.online(0):
+        return view.clock()
+    online = (p for peers in view.stages.values() for p in peers if p.record.state == NodeState.ONLINE)
+    return max((p.record.step for p in online), default=0)
 
 
 async def fetch_any(
-    node: Joiner, stage: int, parts: tuple[StatePart, ...]
+    node: Joiner,
+    stage: int,
+    parts: tuple[StatePart, ...],
+    check: Callable[[StateTransfer, state.TensorMap], object] | None = None,
 ) -> tuple[StateTransfer, state.TensorMap]:
-    """State from one live node of `stage`, trying donors in random order (spreads newcomers over donors)."""
+    """State from one live node of `stage`, trying donors in random order (spreads newcomers over donors);
+    `check` may refuse what a donor sent (raising StateMismatch or ProtocolError), and the next is tried.
+    While some donor is busy, all are asked again after `BUSY_RETRY_S`, for up to `BUSY_WAIT_S`."""
     peers = live_peers if stage == node.stage else trained_peers
     donors = await peers(node.transport, node.snapshot, node.me, stage)
     node.rng.shuffle(donors)
-    for donor in donors:
-        try:
-            return await fetch(node, donor, stage, parts)
-        except (TransportError, ProtocolError, state.StateMismatch) as error:
-            logger.warning("state fetch from %s failed: %s", donor[-8:], error)
-    raise RecoveryFailed(f"no live node of stage {stage} provided {', '.join(parts)}")
+    deadline = time.monotonic() + BUSY_WAIT_S
+    while True:
+        busy = False
+        for donor in donors:
+            try:
+                header, tensors = await fetch(node, donor, stage, parts)
+                if check is not None:
+                    check(header, tensors)
+                return header, tensors
+            except DonorBusy as error:
+                busy = True
+                logger.info("state fetch from %s: %s", donor[-8:], error)
+            except (TransportError, ProtocolError, state.StateMismatch) as error:
+                logger.warning("state fetch from %s failed: %s", donor[-8:], error)
+        if not busy or time.monotonic() >= deadline:
+            raise RecoveryFailed(f"no live node of stage {stage} provided {', '.join(parts)}")
+        await asyncio.sleep(BUSY_RETRY_S)
 
 
 def swarm_has_trained(view: Snapshot) -> bool:
@@ -125,7 +189,7 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
     )
     if plan.method == Method.REPLICA:
         parts = (StatePart.WEIGHTS, StatePart.OPTIMIZER)
-        header, tensors = await fetch_any(node, node.stage, parts)
+        header, tensors = await fetch_any(node, node.stage, parts, node.check_replica)
         await node.compute.submit(Priority.STEP, lambda: node.load_replica(header, tensors))
         return plan, {"sources": [_evidence(header, tensors)], "loaded": tensors}
     if plan.method == Method.REINIT:

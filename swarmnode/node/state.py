@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from protocols.bounds import drift_problem, moments_problem, size_problem
 from protocols.messages import StatePart, TensorSpec
 from swarmnode.optim import StageOptimizer
 
@@ -109,10 +110,14 @@ class ReplicaState:
     delta: TensorMap | None
 
 
-def check_replica_state(module: nn.Module, received: TensorMap) -> ReplicaState:
+def check_replica_state(
+    module: nn.Module, received: TensorMap, *, max_grad_norm: float, max_step: int
+) -> ReplicaState:
     """Everything a donor sent, checked before any of it is loaded (a refused state leaves the node as it
-    was): the weights, each parameter's Adam moments (all three or none; `exp_avg_sq` >= 0, `step` a scalar
-    >= 0), and NoLoCo's phi and delta (phi defaults to the weights; delta for every parameter or none)."""
+    was): the weights, each parameter's Adam moments (all three or none; `step` a scalar within 0..`max_step`,
+    the moments within what gradients clipped to `max_grad_norm` produce), and NoLoCo's phi and delta (phi
+    defaults to the weights; delta for every parameter or none; both within `bounds.MAX_DRIFT` of the
+    weights). See `protocols.bounds`."""
     own = {name: param.detach() for name, param in module.named_parameters()}
     weights = {name: t for name, t in received.items() if name in own}
     check_layout(own, weights, "weights")
@@ -131,6 +136,11 @@ def check_replica_state(module: nn.Module, received: TensorMap) -> ReplicaState:
             check_tensor((), step.reshape(()), f"adam step of {name}", nonnegative=True)
             check_tensor(shape, exp_avg, f"exp_avg of {name}")
             check_tensor(shape, exp_avg_sq, f"exp_avg_sq of {name}", nonnegative=True)
+            problem = moments_problem(
+                name, step, exp_avg, exp_avg_sq, max_grad_norm=max_grad_norm, max_step=max_step
+            )
+            if problem is not None:
+                raise StateMismatch(problem)
             moments[name] = (step.reshape(()).float(), exp_avg.float(), exp_avg_sq.float())
         phi_t = received.get(f"outer.phi.{name}")
         if phi_t is not None:
@@ -142,6 +152,11 @@ def check_replica_state(module: nn.Module, received: TensorMap) -> ReplicaState:
             delta[name] = delta_t.clone()
     if delta and len(delta) != len(own):
         raise StateMismatch(f"outer delta for {len(delta)} of {len(own)} parameters")
+    problem = drift_problem(weights, [("outer phi", phi)])
+    if problem is None and delta:
+        problem = size_problem("outer delta", delta, weights)
+    if problem is not None:
+        raise StateMismatch(problem)
     return ReplicaState(weights, moments, phi, delta or None)
 
 

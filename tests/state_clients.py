@@ -1,0 +1,146 @@
+"""Hostile and joining clients of a swarm's state and averaging RPCs, run by `swarm_clients.py`:
+
+    python swarm_clients.py {requester,averager} PEERS_FILE RUN_ID ARGS...
+
+torch and hivemind are imported inside them, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+BURST = 8  # concurrent state requests of the requester's burst
+
+
+def _say(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+async def _ask_state(transport, run_id: str, peer: str, stage: int, parts) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """One state request: {"outcome": "ok"|"error"|"raised", "kind", "detail", "step", "tensors"}."""
+    import torch
+    from hivemind.p2p import PeerID
+
+    from protocols.messages import Error, StateRequest, StateTransfer, decode, encode
+    from swarmnode.node.state import unpack
+    from swarmnode.transport import TransportError
+
+    request = encode(StateRequest(run_id, stage, tuple(parts)))
+    try:
+        meta, tensors = await transport.call(PeerID.from_base58(peer), "state", request, [], timeout=30.0)
+    except TransportError as error:
+        return {"outcome": "raised", "kind": type(error).__name__, "detail": str(error)}
+    message = decode(meta)
+    if isinstance(message, Error):
+        return {"outcome": "error", "kind": str(message.code), "detail": message.reason}
+    assert isinstance(message, StateTransfer)
+    received = unpack(message.tensors, tensors)
+    flat = torch.cat([t.flatten().double() for t in received.values()])
+    return {
+        "outcome": "ok",
+        "kind": "state_transfer",
+        "step": message.step,
+        "sum": float(flat.sum()),
+        "tensors": received,
+    }
+
+
+def requester_main(argv: Sequence[str]) -> int:
+    """`python swarm_clients.py requester PEERS_FILE RUN_ID TARGET STAGE ANNOUNCE`
+
+    ANNOUNCE "none": a stranger with no record; else a DHT state ("recovering") this client publishes at
+    STAGE before it asks. It asks TARGET for STAGE's weights and optimizer once, then `BURST` times at once,
+    and prints {"call": "single"|"burst", "outcome", "kind", "detail", "sum"} per answer, then
+    {"event": "done"}.
+    """
+    import asyncio
+
+    from swarm_clients import _announce, _run_client
+
+    from protocols.messages import StatePart
+    from swarmnode.transport import Transport
+
+    peers_file, run_id, target, stage_text, announce = argv
+    stage = int(stage_text)
+    parts = (StatePart.WEIGHTS, StatePart.OPTIMIZER)
+
+    async def ask(p2p, dht) -> None:  # type: ignore[no-untyped-def]
+        announcing = None
+        if announce != "none":
+            from protocols.messages import NodeRecord, NodeState
+
+            await dht.publish(NodeRecord(state=NodeState(announce), stage=stage, step=0, outer_step=0), 4.0)
+            announcing = asyncio.create_task(_announce(dht, stage, announce))
+        transport = Transport(p2p)
+        _say(event="ready", peer_id=str(p2p.peer_id))
+        answers = [await _ask_state(transport, run_id, target, stage, parts)]
+        answers += await asyncio.gather(
+            *(_ask_state(transport, run_id, target, stage, parts) for _ in range(BURST))
+        )
+        for i, answer in enumerate(answers):
+            answer.pop("tensors", None)
+            _say(call="single" if i == 0 else "burst", **answer)
+        await transport.close()
+        if announcing is not None:
+            announcing.cancel()
+        _say(event="done")
+
+    return _run_client(peers_file, run_id, ask)
+
+
+def averager_main(argv: Sequence[str]) -> int:
+    """`python swarm_clients.py averager PEERS_FILE RUN_ID TARGET STAGE`
+
+    Announces itself recovering STAGE (so that TARGET shows it its weights), reads TARGET's weights, then
+    sends two averaging requests for outer step 1: phi and theta of `1e30` ("poison"), and TARGET's own
+    weights scaled by 1.01 ("near"). Prints {"call", "accept", "decline", "reason"} for each, then
+    {"call": "after", "unchanged": bool, "finite": bool} comparing the weights read again, and
+    {"event": "done"}.
+    """
+    import asyncio
+
+    import torch
+    from hivemind.p2p import PeerID
+    from swarm_clients import _announce, _run_client
+
+    from protocols.messages import AveragingReply, AveragingRequest, StatePart, decode, encode
+    from swarmnode.node.state import manifest
+    from swarmnode.transport import Transport
+
+    peers_file, run_id, target, stage_text = argv
+    stage = int(stage_text)
+
+    async def attack(p2p, dht) -> None:  # type: ignore[no-untyped-def]
+        from protocols.messages import NodeRecord, NodeState
+
+        await dht.publish(NodeRecord(state=NodeState.RECOVERING, stage=stage, step=0, outer_step=0), 4.0)
+        announcing = asyncio.create_task(_announce(dht, stage, "recovering"))
+        transport = Transport(p2p)
+        _say(event="ready", peer_id=str(p2p.peer_id))
+        before = await _ask_state(transport, run_id, target, stage, (StatePart.WEIGHTS,))
+        weights = before["tensors"]
+        for call, phi in (
+            ("poison", {n: torch.full_like(t, 1e30) for n, t in weights.items()}),
+            ("near", {n: t * 1.01 for n, t in weights.items()}),
+        ):
+            request = AveragingRequest(run_id, stage, 1, manifest(phi), manifest(phi))
+            tensors = list(phi.values()) * 2
+            meta, _ = await transport.call(
+                PeerID.from_base58(target), "average", encode(request), tensors, timeout=30.0
+            )
+            reply = decode(meta, AveragingReply)
+            _say(call=call, accept=reply.accept, decline=str(reply.decline), reason=reply.reason)
+        after = await _ask_state(transport, run_id, target, stage, (StatePart.WEIGHTS,))
+        unchanged = all(torch.equal(t, weights[n]) for n, t in after["tensors"].items())
+        finite = all(bool(torch.isfinite(t).all()) for t in after["tensors"].values())
+        _say(call="after", unchanged=unchanged, finite=finite)
+        await transport.close()
+        announcing.cancel()
+        _say(event="done")
+
+    return _run_client(peers_file, run_id, attack)
+
+
+STATE_CLIENTS = {"requester": requester_main, "averager": averager_main}
