@@ -180,8 +180,6 @@ def test_weights_and_optimizer_state_round_trip() -> None:
 
 BOUNDS = {"max_grad_norm": 1.0, "max_step": 10}  # the donor's clipping, and the step it claims (+ margin)
 
-BOUNDS = {"max_grad_norm": 1.0, "max_step": 10}  # the donor's clipping, and the step it claims (+ margin)
-
 Poison = Callable[[dict[str, torch.Tensor], str], dict[str, torch.Tensor]]
 
 
