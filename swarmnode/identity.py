@@ -8,6 +8,7 @@ p2pd reads with `-id`: the same key is the node's address on the network and its
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +94,10 @@ class Identity:
         return self.key.sign(data)
 
 
+@functools.lru_cache(maxsize=4096)
 def public_key_of(peer_id: str) -> Ed25519PublicKey:
-    """The Ed25519 key an `12D3KooW...` peer id carries; IdentityError for any other peer id."""
+    """The Ed25519 key an `12D3KooW...` peer id carries; IdentityError for any other peer id. Cached: a node
+    checks the records of the same few peers every second."""
     try:
         raw = PeerID.from_base58(peer_id).to_bytes()
     except ValueError:

@@ -14,6 +14,7 @@ run's owner (`SwarmDHT.read_run`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -54,15 +55,30 @@ def peer_of_subkey(subkey: object) -> str | None:
         return None
     try:
         text = subkey.decode("ascii")
-        PeerID.from_base58(text)
-    except (UnicodeDecodeError, ValueError):
+    except UnicodeDecodeError:
         return None
-    return text
+    return text if _is_peer_id(text) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_peer_id(text: str) -> bool:
+    try:
+        PeerID.from_base58(text)
+    except ValueError:
+        return False
+    return True
 
 
 def signed_bytes(key: bytes, subkey: bytes, value: bytes, expiration_time: float) -> bytes:
     """What a record's signature covers (the DHT key id, the serialized subkey, the value, the expiry)."""
     return MSGPackSerializer.dumps([_SIGNED, key, subkey, value, expiration_time])
+
+
+@functools.lru_cache(maxsize=8192)
+def _verified(peer: str, signed: bytes, signature: bytes) -> bool:
+    """`identity.verify`, remembered: a lookup gets the same record from several DHT peers, and a node may
+    check a record on store and again on read."""
+    return verify(peer, signed, signature)
 
 
 def decode_record(value: object) -> NodeRecord:
