@@ -141,6 +141,7 @@ def weights_main(argv: Sequence[str]) -> int:
     import torch
     from hivemind.p2p import PeerID
 
+    from protocols.errors import ProtocolError
     from protocols.messages import StatePart, StateRequest, StateTransfer, decode, encode
     from swarmnode.node.state import unpack
     from swarmnode.transport import Transport, TransportError
@@ -156,8 +157,8 @@ def weights_main(argv: Sequence[str]) -> int:
         try:
             meta, tensors = await transport.call(PeerID.from_base58(peer), "state", request, [], timeout=20.0)
             header = decode(meta, StateTransfer)
-        except (TransportError, ValueError):
-            return None  # not online yet, or busy: next round
+        except (TransportError, ProtocolError, ValueError):
+            return None  # not online yet, busy, or its record not seen yet: next round
         return header, unpack(header.tensors, tensors)
 
     def flat(tensors: dict) -> torch.Tensor:
