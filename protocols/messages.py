@@ -45,6 +45,7 @@ MAX_TENSORS = 16384  # entries of one manifest
 MAX_DIMS = 8
 MAX_ELEMENTS = 2**31  # per tensor
 MAX_PATH = 64  # hops of one microbatch path
+MAX_NONCE = 2**63 - 1  # a microbatch's nonce: random, issued by its data node
 MAX_ADDRS = 16
 MAX_STAGE = 1024
 MAX_VISITS = 4096  # microbatches of one iteration planned through one node
@@ -141,6 +142,11 @@ class Message(Schema):
 
 @dataclass(frozen=True)
 class _Hop(Message):
+    """One hop of a microbatch along `path` (written by its data node, `path[0]`). `nonce` is a random
+    number the data node issues per microbatch; every hop carries it on, and the data node takes the
+    microbatch back (forward, backward, route notice) only with it, so a peer never sent the microbatch
+    cannot forge its return."""
+
     run_id: str = field(metadata=checked(_RUN))
     iteration: int = field(metadata=checked(count()))
     microbatch: int = field(metadata=checked(count()))
@@ -150,6 +156,7 @@ class _Hop(Message):
     visits: tuple[int, ...] = field(default=(), metadata=checked(items(count(MAX_VISITS), MAX_PATH)))
     tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
     evaluate: bool = field(default=False, metadata=checked(flag))
+    nonce: int = field(default=0, metadata=checked(count(MAX_NONCE)))
 
     def _check(self) -> None:
         if self.hop >= len(self.path):
@@ -202,6 +209,7 @@ class Route(Message):
     microbatch: int = field(metadata=checked(count()))
     path: tuple[str, ...] = field(metadata=checked(items(text(MAX_ID, 1), MAX_PATH, 3)))
     hop: int = field(metadata=checked(count(MAX_PATH - 1, 1)))
+    nonce: int = field(default=0, metadata=checked(count(MAX_NONCE)))
 
     def _check(self) -> None:
         if self.hop >= len(self.path) - 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from protocols.messages import Ack, Backward, ErrorCode, Forward, Route, encode
+from protocols.messages import MAX_NONCE, Ack, Backward, ErrorCode, Forward, Route, encode
 from protocols.stepbook import MicrobatchKey
 from swarmnode.data import Corpus, batches, data_node_tokens, validation_set
 from swarmnode.dht import SwarmDHT
@@ -43,6 +44,7 @@ class _Microbatch:
     planned: PlannedMicrobatch
     targets: Tensor
     path: tuple[str, ...] = ()
+    nonce: int = field(default_factory=lambda: 1 + secrets.randbelow(MAX_NONCE))  # unguessable
     loss: float | None = None
     done: bool = False
     returned: bool = False  # its activations came back (a second copy, from a timed-out hop, is refused)
@@ -244,6 +246,7 @@ class DataNode(Node):
             plan.stages,
             plan.visits,
             evaluate=iteration.evaluation,
+            nonce=mb.nonce,
         )
         sent = await self.router.forward(first, hidden, mb.first_hops)
         if sent is None:
@@ -270,6 +273,11 @@ class DataNode(Node):
         mb = iteration.microbatches.get(message.microbatch)
         if mb is None or mb.done:
             raise _stale(message)
+        if message.nonce != mb.nonce:  # not from its path: answered as stale, so the sender learns nothing
+            logger.warning(
+                "a %s for microbatch %d without its nonce: refused", message.KIND, message.microbatch
+            )
+            raise _stale(message)
         return iteration, mb
 
     async def _on_forward(
@@ -283,9 +291,9 @@ class DataNode(Node):
         iteration, mb = self._microbatch(message)
         if mb.returned:
             raise _stale(message)
-        if tuple(hidden.shape[:2]) != tuple(mb.targets.shape):
+        if tuple(hidden.shape[:2]) != tuple(mb.targets.shape):  # the sender may relay what it got: no ban
             raise Rejected(
-                ErrorCode.MALFORMED, f"activations of shape {tuple(hidden.shape)} for {mb.targets.shape}"
+                ErrorCode.STALE, f"activations of shape {tuple(hidden.shape)} for {tuple(mb.targets.shape)}"
             )
         mb.returned = True
         mb.path = message.path

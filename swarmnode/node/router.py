@@ -123,6 +123,7 @@ class Router:
                 tuple(visits),
                 spec,
                 sent.evaluate,
+                sent.nonce,
             )
             target = path[nxt]
             if attempted is not None:
@@ -161,6 +162,7 @@ class Router:
             received.stages,
             received.visits,
             spec,
+            nonce=received.nonce,
         )
         target = received.path[target_hop]
         try:
@@ -180,7 +182,14 @@ class Router:
         sender = delivered.hop - 1
         if sender < 1:
             return  # the data node itself sent it: it knows the path
-        route = Route(delivered.run_id, delivered.iteration, delivered.microbatch, delivered.path, sender)
+        route = Route(
+            delivered.run_id,
+            delivered.iteration,
+            delivered.microbatch,
+            delivered.path,
+            sender,
+            delivered.nonce,
+        )
         await self._try(delivered.path[0], Rpc.ROUTE, encode(route))
 
     async def abort(
