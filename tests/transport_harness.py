@@ -1,7 +1,8 @@
 """Shared by tests/test_transport_*.py: a swarm of real p2pd processes on loopback, each with a transport.
 
 `running_swarm()` starts a serving node (plus a second one that bans nobody) and two callers (libp2p only, and
-with the direct TCP path) on one event loop, and on exit checks that no p2pd outlived its P2P.
+with the direct TCP path) on one event loop, and on exit checks that no p2pd outlived its P2P. `guarded()`
+adds a server with small bounds and an honest client of it, for attackers to push against.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Awaitable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +28,14 @@ LIMITS = Limits(max_message_bytes=64 << 20)
 SERVER_CONFIG = TransportConfig(limits=LIMITS, header_timeout=0.5, ban_seconds=30.0, direct_host="127.0.0.1")
 LIBP2P = TransportConfig(limits=LIMITS)
 DIRECT = TransportConfig(limits=LIMITS, direct_host="127.0.0.1")
+GUARDED = dataclasses.replace(  # small bounds, to reach them with a few streams
+    SERVER_CONFIG,
+    idle_timeout=1.0,
+    max_inbound_streams=8,
+    max_inbound_per_peer=4,
+    max_calls_per_peer=4,
+    ban_seconds=0.0,
+)
 
 
 def p2pd_children() -> set[int]:
@@ -161,3 +170,40 @@ def call(
     return swarm.run(
         caller.call(swarm.server.peer_id, method, meta, tensors, kwargs.pop("timeout", 10.0), **kwargs)
     )
+
+
+@asynccontextmanager
+async def guarded(swarm: Swarm, name: str, **changes: Any) -> AsyncIterator[tuple[Transport, Transport]]:
+    """A server on the lenient node's p2pd serving "echo" under `GUARDED` with `changes`, and an honest client
+    of it on the direct caller's p2pd; the other p2pds may play attackers."""
+    config = dataclasses.replace(GUARDED, protocol=f"swarmnode.test.{name}", **changes)
+    server = Transport(swarm.p2ps[3], config)
+    client = Transport(swarm.p2ps[2], dataclasses.replace(config, direct_host=None))
+    server.register("echo", echo)
+    await server.start()
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def open_raw(p2p: P2P, server: Transport) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    _, reader, writer = await p2p.call_binary_stream_handler(server.peer_id, server._config.protocol)
+    return reader, writer
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for a server-side effect (a counter) that the test cannot await directly."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def closed_by_server(reader: asyncio.StreamReader) -> None:
+    async with asyncio.timeout(5):
+        assert await reader.read() == b""
+
+
+async def honest_call(server: Transport, client: Transport, meta: bytes = b"honest") -> None:
+    assert (await client.call(server.peer_id, "echo", meta, [torch.ones(3)], 5.0))[0] == meta

@@ -91,6 +91,7 @@ class TransportStats:
         "evicted" (waiting for a request when a new stream needed its slot), "head" (a head slower than
         header_timeout), "slow_body" (under the rate floor), "stalled" (past the request's deadline),
         "unanswered" (a refusal while too many others were being answered).
+    inbound_streams: inbound streams served now.
     inbound_bytes, inbound_bytes_peak: request-body bytes held now, and the most held at once.
     """
 
@@ -101,5 +102,6 @@ class TransportStats:
     streams_opened: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
+    inbound_streams: int = 0
     inbound_bytes: int = 0
     inbound_bytes_peak: int = 0

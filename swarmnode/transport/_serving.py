@@ -112,6 +112,7 @@ class Server:
         task = cast(asyncio.Task[Any], asyncio.current_task())
         self._inbound.add(task)
         self._inbound_per_peer[peer_id] += 1
+        self._stats.inbound_streams = len(self._inbound)
         try:
             await self._serve_requests(peer_id, reader, writer)
         except asyncio.CancelledError:
@@ -119,6 +120,7 @@ class Server:
                 raise  # cancelled by someone else; a cancellation from close() ends the stream quietly
         finally:
             self._inbound.discard(task)
+            self._stats.inbound_streams = len(self._inbound)
             self._inbound_per_peer[peer_id] -= 1
             if not self._inbound_per_peer[peer_id]:
                 del self._inbound_per_peer[peer_id]
