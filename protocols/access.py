@@ -8,7 +8,9 @@ to it, as their DHT records describe them:
   k - 1 and k + 1; CheckFree+ copies stage 2 into stage 1 and stage s - 1 into stage s);
 - `embedding_copy` / `head_copy` (CheckFree+ only): from a data node, to the nodes of stage 1 / stage s
   that keep the copy (whatever their state: online holders refresh it); from those holders, to a data node
-  joining or recovering stage 0.
+  joining or recovering stage 0;
+- `weights` of any stage: also an exporter (`swarmnode export`, a record `exporting`, published under stage 0),
+  which writes the model to files. Never the optimizer or the copies: an exporter needs the model only.
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ def refusal(
             allowed = joining and requester_stage == stage
         elif part == StatePart.WEIGHTS:
             neighbour = min(stage, requester_stage) >= 1 and abs(stage - requester_stage) == 1
-            allowed = joining and (requester_stage == stage or neighbour)
+            exporter = requester_state == NodeState.EXPORTING
+            allowed = exporter or (joining and (requester_stage == stage or neighbour))
         else:
             holder = 1 if part == StatePart.EMBEDDING_COPY else s
-            to_holder = stage == 0 and requester_stage == holder and requester_state != NodeState.LEAVING
+            holding = requester_state not in (NodeState.LEAVING, NodeState.EXPORTING)
+            to_holder = stage == 0 and requester_stage == holder and holding
             from_holder = stage == holder and requester_stage == 0 and joining
             allowed = checkfree_plus and (to_holder or from_holder)
         if not allowed:

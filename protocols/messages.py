@@ -88,6 +88,7 @@ class NodeState(StrEnum):
     ONLINE = "online"
     RECOVERING = "recovering"
     LEAVING = "leaving"
+    EXPORTING = "exporting"  # a `swarmnode export` client reading every stage's weights, serving nothing
 
 
 class StatePart(StrEnum):

@@ -10,6 +10,7 @@ from protocols.messages import NodeState, StatePart
 
 W, OPT, E, H = StatePart.WEIGHTS, StatePart.OPTIMIZER, StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY
 J, R, ON, L = NodeState.JOINING, NodeState.RECOVERING, NodeState.ONLINE, NodeState.LEAVING
+X = NodeState.EXPORTING
 
 
 def allowed(parts: tuple[StatePart, ...], stage: int, who: int, state: NodeState, plus: bool = True) -> bool:
@@ -39,6 +40,12 @@ def test_copies_go_to_their_holders_and_back_to_a_recovering_data_node() -> None
     assert allowed((E,), 1, 0, R) and allowed((H,), 4, 0, J)
     assert not allowed((E,), 1, 0, ON) and not allowed((H,), 1, 0, R)
     assert not allowed((E,), 0, 1, ON, plus=False)  # no copies without CheckFree+
+
+
+def test_an_exporter_gets_the_weights_of_every_stage_and_nothing_else() -> None:
+    assert all(allowed((W,), stage, 0, X) for stage in range(5))
+    assert not allowed((W, OPT), 2, 0, X) and not allowed((OPT,), 0, 0, X)
+    assert not allowed((E,), 0, 1, X) and not allowed((H,), 4, 0, X)
 
 
 def test_every_part_must_be_allowed_and_the_reason_names_it() -> None:
