@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from swarmnode import __version__
+from swarmnode.cli import export as export_module
 from swarmnode.cli import schedule as schedule_module
 from swarmnode.cli import swarm as swarm_module
 from swarmnode.cli import train as train_module
@@ -25,5 +26,6 @@ for command in (
     swarm_module.bootstrap,
     swarm_module.join,
     swarm_module.status,
+    export_module.export,
 ):
     main.add_command(command)

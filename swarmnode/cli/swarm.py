@@ -223,6 +223,12 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 )
 @click.option("--identity", type=click.Path(path_type=Path), default=None, help=IDENTITY_HELP)
 @click.option("--run-owner", "run_owners", multiple=True, envvar="SWARMNODE_RUN_OWNER", help=OWNER_HELP)
+@click.option(
+    "--linger",
+    is_flag=True,
+    help="Data nodes: after the run's last step, stay online until stopped, serving the final weights "
+    "(to `swarmnode export`).",
+)
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
 @click.option("-v", "--verbose", is_flag=True)
 def join(
@@ -239,6 +245,7 @@ def join(
     rebalance: bool,
     identity: Path | None,
     run_owners: tuple[str, ...],
+    linger: bool,
     dump_recovery: Path | None,
     verbose: bool,
 ) -> None:
@@ -262,6 +269,7 @@ def join(
         rebalance=rebalance,
         identity=_identity_or_fail(identity),
         run_owners=_owners_or_fail(run_owners),
+        linger=linger,
     )
     try:
         code = _run_async(run_join(options))

@@ -55,6 +55,7 @@ class JoinOptions:
     rebalance: bool = False
     identity: Path | None = None  # where this node's key is kept (None: a fresh key each start)
     run_owners: tuple[str, ...] = ()  # whose run definition to accept (empty: the initial peers')
+    linger: bool = False  # a data node that finished the run stays online (serving its weights) until stopped
 
 
 def choose_stage(live: dict[int, list[PeerRecord]]) -> int:
@@ -159,7 +160,7 @@ async def run_join(options: JoinOptions) -> int:
             node = await _build_announced(options, spec, dht, next_stage)
             watchdog = asyncio.create_task(_watch_dht(dht, node))
             try:
-                await _serve(node)
+                await _serve(node, options.linger)
             finally:
                 watchdog.cancel()
                 await node.close()
@@ -220,8 +221,9 @@ async def _watch_dht(dht: SwarmDHT, node: Node) -> None:
     node.stop()
 
 
-async def _serve(node: Node) -> None:
-    """Start `node` and run it until it finishes (data node), is stopped by a signal, or decides to move."""
+async def _serve(node: Node, linger: bool) -> None:
+    """Start `node` and run it until it finishes (data node; with `linger`, until stopped after that), is
+    stopped by a signal, or decides to move."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, node.stop)
@@ -246,6 +248,8 @@ async def _serve(node: Node) -> None:
             skips=node.router.skips,
             routes_reported=node.routes_reported,
         )
+        if linger:
+            await node.wait()
     else:
         trainer.cancel()
         await asyncio.gather(trainer, return_exceptions=True)

@@ -1,0 +1,96 @@
+"""`swarmnode export` on a real swarm: the exported folder loads in transformers and gives the swarm's loss.
+
+A bootstrap, one lingering data node and one node per stage train the tiny preset for a few steps; the
+exporter (a separate process) writes the folder, which transformers loads with no swarmnode code involved.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from swarm_harness import LocalTestSwarm, poll
+
+from swarmnode.data import load_corpus, validation_set
+from swarmnode.exporter import run_tokenizer
+from swarmnode.modeldir import load_pieces, read_model_folder
+from swarmnode.pieces import build_piece
+from swarmnode.runspec import RunSpec
+
+pytestmark = pytest.mark.integration
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
+    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"test{uuid.uuid4().hex[:10]}")
+    try:
+        yield harness
+    finally:
+        harness.close()
+        harness.remove_leftover_sockets()
+        assert not harness.left_behind, f"processes left behind: {harness.left_behind}"
+
+
+def hf_validation_loss(model, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:  # type: ignore[no-untyped-def]
+    """Mean next-token cross-entropy of a transformers model over the batches (targets already shifted)."""
+    with torch.no_grad():
+        losses = [
+            torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+            for x, y in batches
+        ]
+    return float(sum(losses) / len(losses))
+
+
+@pytest.mark.timeout(240)
+def test_export_round_trip_gives_the_swarms_logits_and_loss(swarm: LocalTestSwarm, tmp_path: Path) -> None:
+    steps = 6
+    swarm.bootstrap(steps=steps)
+    stages = [swarm.join(k) for k in (1, 2, 3)]
+    swarm.wait_online(*stages)
+    data = swarm.join(0, "--linger")
+    finished = data.wait_event("finished", 150)
+    assert finished["step"] == steps
+
+    out = tmp_path / "model"
+    exporter = swarm.swarmnode(
+        "export", "export", "--initial-peers", str(swarm.peers_file), "--run-id", swarm.run_id,
+        "--out", str(out), "--evaluate",
+    )  # fmt: skip
+    assert exporter.wait_exit(120) == 0, exporter.stderr_tail()
+    (exported,) = exporter.events("exported")
+    assert exported["step"] == steps and set(exported["steps"]) == {"0", "1", "2", "3"}
+
+    # the folder as transformers sees it: config, weights and tokenizer, no swarmnode involved
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+        "tokenizer_config.json", "special_tokens_map.json",
+    }  # fmt: skip
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    spec = RunSpec.for_preset("tiny", stages=3)
+    corpus = load_corpus(None, None, spec.vocab_size)
+    text = "def f(x):\n    return x"
+    assert tokenizer(text)["input_ids"] == corpus.tokenizer.encode(text).ids
+    assert json.loads((out / "config.json").read_text())["swarmnode"]["step"] == steps
+    assert run_tokenizer(spec) == corpus.tokenizer_path
+
+    # the same logits as the stage pieces loaded with the swarm's weights, and the swarm's own loss
+    config, split = read_model_folder(out, 3)
+    pieces = [build_piece(config, k, 3) for k in range(4)]
+    load_pieces(pieces, split)
+    batches = validation_set(corpus.val_tokens, spec.batch_size, spec.seq_len)
+    inputs = batches[0][0]
+    with torch.no_grad():
+        hidden = pieces[0].embed(inputs)
+        for stage in pieces[1:]:
+            hidden = stage(hidden)
+        ours = pieces[0].head(hidden)
+        torch.testing.assert_close(hf(input_ids=inputs).logits, ours, atol=1e-5, rtol=0)
+    swarm_loss = poll(lambda: data.events("validation")[-1]["val_loss"], 5, "the data node's last loss")
+    assert hf_validation_loss(hf, batches) == pytest.approx(swarm_loss, abs=2e-4)
+    assert exported["val_loss"] == pytest.approx(swarm_loss, abs=2e-4)
