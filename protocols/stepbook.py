@@ -7,13 +7,15 @@ its gradient or abort? step now?). Time comes in as arguments; nothing here touc
 Groups. A group is one data node's iteration, `(origin, iteration)`. Each forward says how many of the
 group's microbatches the plan sends through this node (`expected`); the group is complete once that many (or
 as many as actually arrived, if re-routing sent more or the data node moved on to a later iteration) have
-finished their backward pass or were aborted. The
-node steps when nothing is held and the groups of the oldest iterations it knows of are complete or
-expired, and a forward of a newer iteration waits for that step, so each step belongs to one tick of the
-swarm clock (the latest iteration it applies names the tick's learning rate), no global barrier is needed
-and no microbatch is applied twice. An abort may arrive before any forward of its group (the microbatch died
-upstream, and this node is further down its path): it is remembered for one expiry period, so that the
-group does not wait for the microbatch that never will arrive.
+finished their backward pass or were aborted. The node steps when nothing is held and the groups of the
+oldest iterations it knows of are complete or expired, and a forward of a newer iteration waits for that
+step. Each group with gradients is one update, with the learning rate of its iteration (the caller keeps
+one gradient buffer per group), so the number of updates a node takes per tick of the swarm clock is the
+number of data nodes that routed work through it, whatever the timing: two groups that happen to complete
+together are never merged into one update. No global barrier is needed and no microbatch is applied twice.
+An abort may arrive before any forward of its group (the microbatch died upstream, and this node is further
+down its path): it is remembered for one expiry period, so that the group does not wait for the microbatch
+that never will arrive.
 
 Senders. A message's path is written by its sender, so it cannot say who may send a gradient back or abort.
 For each microbatch it took, the book remembers the path up to this node as it arrived and every peer the
@@ -68,12 +70,17 @@ class _Hops:
 
 @dataclass(frozen=True)
 class StepDecision:
-    """Step now: `groups` groups' gradients are in `.grad` (the step averages over them), `applied`
-    microbatches in all, the latest of iteration `iteration` (None if every one was aborted)."""
+    """Step now: one update per group of `updates` (the closed groups whose gradients reached this node,
+    oldest iteration first, each with the learning rate of its own iteration), `applied` microbatches in all.
+    A decision with no update only closes groups whose microbatches were all aborted."""
 
-    groups: int
+    updates: tuple[Group, ...]
     applied: int
-    iteration: int | None
+
+    @property
+    def iteration(self) -> int | None:
+        """The latest iteration the decision applies (None if it applies none)."""
+        return self.updates[-1][1] if self.updates else None
 
 
 class StepBook:
@@ -154,12 +161,8 @@ class StepBook:
         ]
         if held or not due:
             return None
-        applied = [group for group in due if self._groups[group].applied]
-        decision = StepDecision(
-            groups=len(applied),
-            applied=sum(self._groups[group].applied for group in due),
-            iteration=max((iteration for _, iteration in applied), default=None),
-        )
+        updates = sorted((group for group in due if self._groups[group].applied), key=lambda g: (g[1], g[0]))
+        decision = StepDecision(tuple(updates), sum(self._groups[group].applied for group in due))
         for group in due:
             self._closed[group] = now
             del self._groups[group]
@@ -183,6 +186,11 @@ class StepBook:
         one for several, whatever the timing: a data node starts its next iteration as soon as its gradients
         are back, often before the nodes downstream have stepped."""
         return any(older < iteration for (_, older) in self._groups)
+
+    @property
+    def groups(self) -> set[Group]:
+        """Groups not stepped yet: open, or complete and waiting for an older one."""
+        return set(self._groups)
 
     @property
     def open_groups(self) -> set[Group]:

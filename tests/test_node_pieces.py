@@ -14,6 +14,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from protocols.messages import NodeRecord, NodeState, StatePart, encode
+from protocols.stepbook import MicrobatchKey
 from swarmnode.identity import Identity
 from swarmnode.model import ModelConfig, build_stage
 from swarmnode.node.planning import Snapshot, plan_iteration
@@ -26,6 +27,7 @@ from swarmnode.node.state import (
     optimizer_state,
     weights,
 )
+from swarmnode.node.worker import StageWorker
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.records import PeerRecord, SwarmRecordValidator, peer_of_subkey, stage_key, subkey_of
 from swarmnode.runspec import RunSpec, RunSpecError
@@ -161,6 +163,38 @@ def tiny_stage() -> tuple[torch.nn.Module, StageOptimizer]:
     config = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=8)
     module = build_stage(config, 1, 1, seed=3)
     return module, StageOptimizer(module, Schedule(1e-3, 1, 10))
+
+
+def test_a_stage_keeps_one_gradient_buffer_and_one_update_per_group() -> None:
+    """Backward passes of two groups interleaved: each group's update is what its microbatches alone give."""
+    config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=8)
+
+    def stage() -> tuple[torch.nn.Module, StageWorker]:
+        torch.manual_seed(0)
+        module = build_stage(config, 1, 1)
+        return module, StageWorker(module, StageOptimizer(module, Schedule(1e-2, 0, 100), 1.0))
+
+    torch.manual_seed(1)
+    inputs = {k: torch.randn(2, 8, 32) for k in range(4)}
+    grads = {k: torch.randn(2, 8, 32) for k in range(4)}
+    groups = {0: ("a", 5), 1: ("b", 5), 2: ("a", 5), 3: ("b", 5)}
+    module, worker = stage()
+    for k in range(4):
+        worker.forward(MicrobatchKey(groups[k][0], 5, k), inputs[k], 0.0)
+    for k in (0, 1, 3, 2):
+        worker.backward(MicrobatchKey(groups[k][0], 5, k), grads[k])
+    assert worker.gradient_groups == 2 and all(p.grad is None for p in module.parameters())
+    worker.step_group(("a", 5))
+    alone, alone_worker = stage()  # group a's microbatches only
+    for k in (0, 2):
+        alone_worker.forward(MicrobatchKey("a", 5, k), inputs[k], 0.0)
+        alone_worker.backward(MicrobatchKey("a", 5, k), grads[k])
+    alone_worker.step_group(("a", 5))
+    for mine, reference in zip(module.parameters(), alone.parameters(), strict=True):
+        assert torch.equal(mine, reference)
+    assert worker.optimizer.updates == 1 and worker.gradient_groups == 1
+    assert worker.step_group(("c", 5)) is None  # no gradients: no update
+    assert worker.discard_gradients_except({("a", 5)}) == 1 and worker.gradient_groups == 0
 
 
 def test_weights_and_optimizer_state_round_trip() -> None:

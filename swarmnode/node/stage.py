@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
-from protocols.stepbook import MicrobatchKey, StepBook
+from protocols.stepbook import Group, MicrobatchKey, StepBook
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
@@ -236,11 +236,11 @@ class StageNode(Node):
                 # a replica that gets no microbatch for a while still takes its outer steps
                 await self.compute.submit(Priority.STEP, self.outer.apply_pending)
             return False
-        if decision.iteration is not None:
-            at = decision.iteration
-            norm = await self.compute.submit(Priority.STEP, lambda: self._step(decision.groups, at))
-            if norm is not None and not math.isfinite(norm):
-                logger.warning("non-finite gradient norm: update skipped")
+        keep = self.book.groups
+        norms = await self.compute.submit(Priority.STEP, lambda: self._step(decision.updates, keep))
+        if any(not math.isfinite(norm) for norm in norms):
+            logger.warning("non-finite gradient norm: update skipped")
+        if decision.updates:
             await self.outer_step_if_due()
             clock = self.optimizer.step_count
             if self.copy_parts and clock >= self._copies_at + self.spec.copy_refresh_steps:
@@ -248,7 +248,10 @@ class StageNode(Node):
                 self.spawn(self.refresh_copies(), "copies")
         return True
 
-    def _step(self, groups: int, at: int) -> float:
-        norm = self.worker.step(1.0 / groups, at)
+    def _step(self, updates: tuple[Group, ...], keep: set[Group]) -> list[float]:
+        """On the compute thread, in one job (no forward may run between the updates): one update per group,
+        then drop the gradients of groups closed without one, then a pending outer update."""
+        norms = [norm for group in updates if (norm := self.worker.step_group(group)) is not None]
+        self.worker.discard_gradients_except(keep)
         self.outer.apply_pending()
-        return norm
+        return norms

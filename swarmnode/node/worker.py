@@ -2,9 +2,10 @@
 
 Everything here runs on the compute thread (`node.compute`), one call at a time. Activations are kept
 between a microbatch's forward and backward pass, keyed by `(origin peer, iteration, microbatch)`, and
-dropped when the backward pass is done or the microbatch is aborted. Gradients accumulate in the
-parameters' `.grad` until the stage steps; the daemon steps only when no activation is held, so an
-optimizer step never changes weights that a pending backward pass still needs.
+dropped when the backward pass is done or the microbatch is aborted. A transformer stage keeps one gradient
+buffer per group (a data node's iteration): each backward pass accumulates into its group's buffer, and each
+group is one optimizer update (`protocols.stepbook`). The daemon steps only when no activation is held, so
+an update never changes weights that a pending backward pass still needs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from protocols.stepbook import MicrobatchKey
+from protocols.stepbook import Group, MicrobatchKey
 from swarmnode.optim import StageOptimizer
 from swarmnode.pieces import DataPiece
 
@@ -38,10 +39,17 @@ class StageWorker:
         self.module = module
         self.optimizer = optimizer
         self._held: dict[MicrobatchKey, _Held] = {}
+        self._params = list(module.parameters())
+        self._grads: dict[Group, list[Tensor | None]] = {}  # each group's accumulated gradients
 
     @property
     def in_flight(self) -> int:
         return len(self._held)
+
+    @property
+    def gradient_groups(self) -> int:
+        """Groups with gradients waiting for their update."""
+        return len(self._grads)
 
     def forward(self, key: MicrobatchKey, hidden: Tensor, now: float) -> Tensor:
         inputs = hidden.detach().float().requires_grad_(True)
@@ -53,10 +61,21 @@ class StageWorker:
         held = self._held.pop(key, None)
         if held is None:
             raise MissingActivations(key)
-        held.outputs.backward(grad.float())
+        self._load_grads(key.group)
+        try:
+            held.outputs.backward(grad.float())
+        finally:
+            self._grads[key.group] = [p.grad for p in self._params]
+            self._load_grads(None)
         if held.inputs.grad is None:
             raise RuntimeError(f"no input gradient for microbatch {key}")
         return held.inputs.grad
+
+    def _load_grads(self, group: Group | None) -> None:
+        """Point the parameters' `.grad` at `group`'s buffer (None: at nothing)."""
+        buffers = self._grads.get(group) if group is not None else None
+        for param, buffer in zip(self._params, buffers or [None] * len(self._params), strict=True):
+            param.grad = buffer
 
     def drop(self, key: MicrobatchKey) -> bool:
         """Forget a microbatch (aborted); True if it was held."""
@@ -74,8 +93,22 @@ class StageWorker:
         held = self._held.get(key)
         return None if held is None else tuple(held.outputs.shape)
 
-    def step(self, grad_scale: float, at: int | None = None) -> float:
-        return self.optimizer.step(grad_scale, at)
+    def discard_gradients_except(self, groups: Collection[Group]) -> int:
+        """Drop the gradient buffers of every group not in `groups` (closed without an update: expired
+        before its backward pass was counted); returns how many were dropped."""
+        stale = [group for group in self._grads if group not in groups]
+        for group in stale:
+            del self._grads[group]
+        return len(stale)
+
+    def step_group(self, group: Group) -> float | None:
+        """One optimizer update with `group`'s gradients, at the learning rate of its iteration; the gradient
+        norm, or None if the group has no gradients here."""
+        if group not in self._grads:
+            return None
+        self._load_grads(group)
+        del self._grads[group]
+        return self.optimizer.step(1.0, group[1])
 
 
 class DataWorker:

@@ -19,7 +19,7 @@ def test_steps_only_when_every_planned_microbatch_finished() -> None:
     assert book.take(key("d", 0, 1), ("d",), expected=2, now=0.3)
     book.finish(key("d", 0, 1), applied=False, now=0.0)  # aborted
     decision = book.ready(held=0, now=0.4)
-    assert decision is not None and (decision.groups, decision.applied, decision.iteration) == (1, 1, 0)
+    assert decision is not None and (len(decision.updates), decision.applied, decision.iteration) == (1, 1, 0)
 
 
 def test_the_decision_names_the_latest_iteration_applied() -> None:
@@ -30,7 +30,7 @@ def test_the_decision_names_the_latest_iteration_applied() -> None:
     book.finish(key("e", 5, 0), applied=True, now=0.0)
     book.finish(key("f", 6, 0), applied=False, now=0.0)  # aborted: its tick holds no gradient
     decision = book.ready(held=0, now=0.1)
-    assert decision is not None and (decision.groups, decision.iteration) == (2, 5)
+    assert decision is not None and (len(decision.updates), decision.iteration) == (2, 5)
 
 
 def test_a_step_of_aborted_microbatches_only_applies_nothing() -> None:
@@ -38,7 +38,11 @@ def test_a_step_of_aborted_microbatches_only_applies_nothing() -> None:
     assert book.take(key("d", 0, 0), ("d",), expected=1, now=0.0)
     book.finish(key("d", 0, 0), applied=False, now=0.1)
     decision = book.ready(held=0, now=0.2)
-    assert decision is not None and (decision.groups, decision.applied, decision.iteration) == (0, 0, None)
+    assert decision is not None and (len(decision.updates), decision.applied, decision.iteration) == (
+        0,
+        0,
+        None,
+    )
 
 
 def test_duplicates_and_late_messages_are_refused() -> None:
@@ -67,7 +71,7 @@ def test_groups_that_never_complete_expire_and_their_microbatches_are_dropped() 
     assert book.expire(now=6.0) == frozenset()  # expired: the caller drops what microbatch 1 held
     assert key("d", 3, 1) not in book and book.tries(key("d", 3, 1)) is None
     decision = book.ready(held=0, now=6.0)
-    assert decision is not None and decision.groups == 1
+    assert decision is not None and len(decision.updates) == 1
 
 
 def test_groups_of_several_data_nodes_step_together() -> None:
@@ -76,7 +80,7 @@ def test_groups_of_several_data_nodes_step_together() -> None:
         assert book.take(key(origin, 0, 0), (origin,), expected=1, now=0.0)
         book.finish(key(origin, 0, 0), applied=True, now=0.0)
     decision = book.ready(held=0, now=1.0)
-    assert decision is not None and decision.groups == 2
+    assert decision is not None and len(decision.updates) == 2
 
 
 def test_an_abort_that_arrives_before_its_group_is_remembered() -> None:
@@ -157,7 +161,7 @@ def test_a_newer_iterations_forward_waits_for_the_older_step_and_does_not_block_
     assert book.take(key("d", 1, 0), ("d",), expected=1, now=0.2)  # taken, not run yet
     assert book.waits(1) and not book.waits(0)
     decision = book.ready(held=0, now=0.3)  # iteration 0 steps alone: iteration 1 is open, not held
-    assert decision is not None and (decision.groups, decision.iteration) == (1, 0)
+    assert decision is not None and (len(decision.updates), decision.iteration) == (1, 0)
     assert not book.waits(1) and book.ready(held=1, now=0.4) is None
     book.finish(key("d", 1, 0), applied=True, now=0.5)
     decision = book.ready(held=0, now=0.6)
@@ -173,7 +177,7 @@ def test_groups_of_two_data_nodes_in_one_iteration_step_together() -> None:
     assert book.waits(5) and book.ready(held=1, now=0.3) is None
     book.finish(key("b", 4, 0), applied=True, now=0.4)
     decision = book.ready(held=0, now=0.5)
-    assert decision is not None and (decision.groups, decision.applied, decision.iteration) == (2, 2, 4)
+    assert decision is not None and (len(decision.updates), decision.applied, decision.iteration) == (2, 2, 4)
 
 
 def test_a_data_node_that_moved_on_expects_nothing_more_of_its_older_iteration() -> None:
@@ -185,3 +189,27 @@ def test_a_data_node_that_moved_on_expects_nothing_more_of_its_older_iteration()
     assert book.take(key("d", 8, 0), ("d",), expected=1, now=0.3)  # the data node finished iteration 7
     decision = book.ready(held=0, now=0.4)
     assert decision is not None and decision.iteration == 7
+
+
+def test_groups_that_complete_together_are_separate_updates_oldest_first() -> None:
+    """Two data nodes' groups of one tick, and an older one, finishing in any order: one update each, in
+    (iteration, data node) order; never merged, so the timing cannot change how many updates a tick makes."""
+    for order in ([("e", 3), ("d", 3), ("d", 2)], [("d", 2), ("d", 3), ("e", 3)]):
+        book = StepBook(expiry_s=30.0)
+        for origin, iteration in order:
+            assert book.take(key(origin, iteration, 0), (origin,), expected=1, now=0.0)
+        for origin, iteration in order:
+            book.finish(key(origin, iteration, 0), applied=True, now=0.0)
+        decision = book.ready(held=0, now=0.1)
+        assert decision is not None
+        assert decision.updates == (("d", 2), ("d", 3), ("e", 3)) and decision.iteration == 3
+        assert book.groups == set()
+
+
+def test_groups_lists_what_is_not_stepped_yet() -> None:
+    book = StepBook(expiry_s=30.0)
+    assert book.take(key("d", 1, 0), ("d",), expected=1, now=0.0)
+    assert book.take(key("e", 2, 0), ("e",), expected=1, now=0.0)
+    book.finish(key("e", 2, 0), applied=True, now=0.0)  # complete, but newer than an open group
+    assert book.ready(held=0, now=0.1) is None
+    assert book.groups == {("d", 1), ("e", 2)} and book.open_groups == {("d", 1)}
