@@ -44,6 +44,10 @@ class SwarmConfig:
         return (self.out / "peers.txt").resolve()
 
     @property
+    def model_dir(self) -> Path:
+        return self.out / "model"
+
+    @property
     def initial_nodes(self) -> int:
         return self.data_nodes + self.stages * self.replicas
 
@@ -59,13 +63,21 @@ class SwarmConfig:
     def join_argv(self, stage: int | None, shard: str | None) -> list[str]:
         """A daemon of `stage` (None: `--stage auto`); `shard` (I/K): the data it reads as a data node.
 
-        Torch threads are split evenly between the nodes, so a small machine is not oversubscribed.
+        Torch threads are split evenly between the nodes, so a small machine is not oversubscribed. Data nodes
+        linger after the last step, so that the final model can be exported (`export_argv`).
         """
         threads = max(1, usable_cpus() // self.initial_nodes)
         return [
             *self.command, "join", "--stage", "auto" if stage is None else str(stage),
             "--initial-peers", str(self.peers_file), "--run-id", self.run_id, "--threads", str(threads),
-            *(["--shard", shard] if shard is not None else []),
+            "--linger", *(["--shard", shard] if shard is not None else []),
+        ]  # fmt: skip
+
+    def export_argv(self) -> list[str]:
+        """The exporter of the final model to `model_dir`, its validation loss read back from the files."""
+        return [
+            *self.command, "export", "--initial-peers", str(self.peers_file), "--run-id", self.run_id,
+            "--out", str(self.model_dir), "--evaluate",
         ]  # fmt: skip
 
     def observer_argv(self, interval: float) -> list[str]:

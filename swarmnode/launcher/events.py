@@ -80,7 +80,15 @@ class MicrobatchLost:
     time: float
 
 
-Event = Joining | Online | Step | Validation | Recovered | OuterStep | MicrobatchLost
+@dataclass(frozen=True)
+class Finished:
+    """A data node took the run's last step (a lingering one stays online, serving its weights)."""
+
+    step: int
+    time: float
+
+
+Event = Joining | Online | Step | Validation | Recovered | OuterStep | MicrobatchLost | Finished
 
 
 def parse_event(line: str, received: float) -> Event | None:
@@ -131,6 +139,10 @@ def parse_event(line: str, received: float) -> Event | None:
                 and isinstance(matched, bool)
             ):
                 return OuterStep(stage, outer, paired, matched, when)
+        case "finished":
+            step = _count(raw.get("step"))
+            if step is not None:
+                return Finished(step, when)
         case "microbatch_lost":
             step, count = _count(raw.get("step", 0)), _count(raw.get("count", 1))
             if step is not None and count is not None:

@@ -19,8 +19,10 @@ def build_report(
     wall_seconds: float,
     settings: Mapping[str, Any],
     nodes: Sequence[Mapping[str, Any]],
+    model: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The report as a JSON-ready dict. Times named `at_seconds` count from the launcher's start."""
+    """The report as a JSON-ready dict. Times named `at_seconds` count from the launcher's start. `model`: the
+    exported model (`launcher.export`), None when the run did not complete."""
     by_method: dict[str, list[float]] = defaultdict(list)
     for recovery in record.recoveries:
         by_method[recovery.method].append(recovery.duration)
@@ -34,6 +36,7 @@ def build_report(
         "initial_val_loss": record.initial_val_loss,
         "val_loss": record.val_loss,
         "tokens_per_second": record.tokens_per_second(),
+        "model": None if model is None else dict(model),
         "failures": [
             {
                 "step": failure.step,

@@ -21,7 +21,8 @@ from typing import Any, TextIO
 
 from swarmnode.launcher.config import SwarmConfig, read_peers
 from swarmnode.launcher.display import Display, StageCount, status_line
-from swarmnode.launcher.events import Joining, Online, Recovered, Step, Validation, parse_event
+from swarmnode.launcher.events import Finished, Joining, Online, Recovered, Step, Validation, parse_event
+from swarmnode.launcher.export import describe, export_model
 from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.plan import Kill, KillPlan, RandomKills
 from swarmnode.launcher.procs import ChildProcess, LineTail, StopSignals, stop_all
@@ -61,6 +62,7 @@ class _Node:
     peer_id: str | None = None
     joined: bool = False
     trained: bool = False  # reported a step: a data node in the run, not one that joined after it
+    finished: bool = False  # a data node that took the last step (it lingers until ended)
     killed: bool = False
     exited: bool = False
 
@@ -95,6 +97,7 @@ class LocalSwarm:
         self._all_joined = False
         self._last_step = 0  # the furthest step seen, and since when (a monotonic time): the stall bound
         self._last_step_at = self._started
+        self._model: dict[str, Any] | None = None  # the report's `model` entry, once exported
 
     def run(self) -> SwarmResult:
         """Run the swarm, end every child, write the report; never leaves a child process behind."""
@@ -103,6 +106,8 @@ class LocalSwarm:
         with StopSignals() as stop:
             try:
                 outcome, message = self._supervise(stop)
+                if outcome is Outcome.COMPLETED:
+                    self._export(stop)
             finally:
                 try:
                     self._shutdown(stop)
@@ -141,7 +146,10 @@ class LocalSwarm:
             if self._finishing_since is None and self._record.step >= config.steps:
                 self._finishing_since = now
             if self._finishing_since is not None:
-                training = any(node.alive and node.stage == 0 and node.trained for node in self._nodes)
+                training = any(
+                    node.alive and node.stage == 0 and node.trained and not node.finished
+                    for node in self._nodes
+                )
                 if not training or now - self._finishing_since >= FINISH_GRACE_S:
                     return Outcome.COMPLETED, f"{self._record.step} steps done"
             else:
@@ -164,6 +172,12 @@ class LocalSwarm:
                 return Outcome.INTERRUPTED, f"stopped by {name} at step {self._record.step}"
             self._display.status(self._status_text)
             time.sleep(TICK_S)
+
+    def _export(self, stop: StopSignals) -> None:
+        """Export the final model while the swarm still runs; say how its loss compares to the swarm's."""
+        self._display.event(f"exporting the model to {self.config.model_dir}")
+        self._model = export_model(self.config, self.logs, self._env, stop)
+        self._display.event(describe(self._model, self._record.val_loss))
 
     def _start_bootstrap(self, stop: StopSignals) -> tuple[Outcome, str] | None:
         self.peers_file.unlink(missing_ok=True)
@@ -207,6 +221,8 @@ class LocalSwarm:
                 self._record.add(event)
                 if isinstance(event, Step):
                     node.trained = True
+                elif isinstance(event, Finished):
+                    node.finished = True
                 elif isinstance(event, Joining):
                     node.stage = event.stage
                 elif isinstance(event, Online):
@@ -371,7 +387,7 @@ class LocalSwarm:
         nodes = [_entry(child, None, None, killed=False) for child in self._helpers]
         nodes += [_entry(node.process, node.stage, node.peer_id, node.killed) for node in self._nodes]
         wall = time.monotonic() - self._started
-        report = build_report(record, outcome.value, message, wall, config.settings(), nodes)
+        report = build_report(record, outcome.value, message, wall, config.settings(), nodes, self._model)
         write_report(self.out / "report.json", report)
         title = (
             f"swarmnode up: {config.preset}, {config.data_nodes} data nodes, {config.stages} stages x "

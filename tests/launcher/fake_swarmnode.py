@@ -1,7 +1,8 @@
 """A stand-in for the `swarmnode` CLI that the launcher tests run instead of real daemons.
 
 `bootstrap` writes a peers file (and the run's step count beside it); `join` prints the daemons' JSON event
-lines: data nodes (stage 0) train `steps` steps quickly and exit 0, other stages idle until ended. Like a real
+lines: data nodes (stage 0) train `steps` steps quickly and exit 0, other stages idle until ended; `export`
+writes a stand-in model folder and its `exported` line. Like a real
 daemon, every process leaves a grandchild behind in its process group (standing in for the DHT process and
 p2pd), and records both pids under $FAKE_PIDS_DIR so tests can check that nothing survives the launcher.
 
@@ -79,10 +80,18 @@ def join(args: list[str]) -> None:
     sys.exit(0)
 
 
+def export(args: list[str]) -> None:
+    """Writes a stand-in model folder and the exporter's line (validation loss 7.0)."""
+    out = Path(option(args, "--out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text("{}\n")
+    emit("exported", path=str(out), step=0, steps={"0": 0}, val_loss=7.0)
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # leaves its grandchild behind
     command, *args = sys.argv[1:]
-    {"bootstrap": bootstrap, "join": join}[command](args)
+    {"bootstrap": bootstrap, "join": join, "export": export}[command](args)
 
 
 if __name__ == "__main__":

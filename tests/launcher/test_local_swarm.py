@@ -73,6 +73,9 @@ def test_a_run_with_a_planned_kill(tmp_path: Path, pids_dir: Path, monkeypatch: 
     assert report["initial_loss"] == pytest.approx(7.9) and report["final_loss"] < report["initial_loss"]
     assert report["initial_val_loss"] == pytest.approx(8.5) and report["val_loss"] == pytest.approx(6.2)
     assert report["tokens_per_second"] > 0
+    model = str(tmp_path / "out" / "model")  # exported before the swarm ended, its loss read from the files
+    assert report["model"] == {"path": model, "step": 0, "steps": {"0": 0}, "val_loss": 7.0}
+    assert (tmp_path / "out" / "model" / "config.json").exists()
     assert report["microbatches_lost"] == 4  # two from each data node
     [failure] = report["failures"]
     assert failure["stage"] == 2 and failure["node"] == "s2r1" and failure["cause"] == "planned"
@@ -97,6 +100,8 @@ def test_a_run_with_a_planned_kill(tmp_path: Path, pids_dir: Path, monkeypatch: 
         "spot1 joined stage 2",
         "stage 2 rebuilt by checkfree in 0.2 s (spot1, after ",
         "data1 finished",
+        f"exporting the model to {model}",
+        "validation loss 7.0000 recomputed from its files (the swarm's: 6.2",
         "completed: 20 steps done",
     ):
         assert expected in progress
