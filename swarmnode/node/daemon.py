@@ -55,7 +55,7 @@ from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import build_piece
 from swarmnode.presets import get_preset
 from swarmnode.runspec import RunSpec
-from swarmnode.transport import Compression, Transport, TransportConfig
+from swarmnode.transport import Compression, Reply, Transport, TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,9 @@ class Node:
         the handler; malformed or hostile input is logged, the sender banned, an Error returned."""
         kind = REQUESTS[rpc]
 
-        async def serve(peer: PeerID, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+        async def serve(
+            peer: PeerID, meta: bytes, tensors: list[Tensor]
+        ) -> tuple[bytes, list[Tensor]] | Reply:
             try:
                 message = None if kind is None else decode_from_peer(meta, kind, self.spec.run_id)
                 return await handler(str(peer), message, tensors)
@@ -290,9 +292,7 @@ class Node:
             *(self.router.call(p, Rpc.HELLO, b"", [], timeout=1.0) for p in peers), return_exceptions=True
         )
 
-    async def _on_state(
-        self, peer: str, request: StateRequest, tensors: list[Tensor]
-    ) -> tuple[bytes, list[Tensor]]:
+    async def _on_state(self, peer: str, request: StateRequest, tensors: list[Tensor]) -> Reply:
         return await self.state_server.serve(peer, request)
 
     def check_replica(self, header: StateTransfer, received: state.TensorMap) -> state.ReplicaState:

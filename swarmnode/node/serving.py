@@ -4,7 +4,9 @@
   a peer missing from the node's view is looked up once more in a fresh read of the DHT (concurrent
   lookups share one read). Others are refused as WRONG_STAGE, not banned (a record may lag).
 - How many: one transfer per peer and `MAX_TRANSFERS` in all; the rest are refused as BUSY, and the
-  recovering side tries another donor, then waits and tries again (`recovery.fetch_any`).
+  recovering side tries another donor, then waits and tries again (`recovery.fetch_any`). A transfer holds
+  its slot from its request until its reply has been written, or could not be (the transport's
+  `Reply.written`): a reader that stalls keeps its slot until its request's deadline.
 - From what: one snapshot per optimizer state, cloned on the compute thread below all training work
   (`Priority.SERVE`) the first time a part is asked for, then shared by every request until the state
   changes. The transport sends reply tensors from their memory, so a snapshot is never changed, only
@@ -20,18 +22,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from torch import Tensor, nn
+from torch import nn
 
 from protocols.access import refusal
 from protocols.messages import ErrorCode, NodeState, StatePart, StateRequest, StateTransfer, encode
 from swarmnode.node import state
-from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
 from swarmnode.node.planning import Snapshot
 from swarmnode.optim import StageOptimizer
 from swarmnode.runspec import RunSpec
+from swarmnode.transport import Reply
 
 MAX_TRANSFERS = 2
 # A state transfer carries about five times the stage's parameters in float32 (weights, two Adam moments,
@@ -46,6 +48,14 @@ def request_seconds(spec: RunSpec) -> float:
     return max(STATE_SECONDS, 2 * spec.hop_timeout_s)
 
 
+class OuterState(Protocol):
+    """NoLoCo's part of the state (`averaging.OuterLoop`): the outer step, slow weights and momentum."""
+
+    outer_step: int
+    phi: state.TensorMap
+    delta: state.TensorMap | None
+
+
 class Donor(Protocol):
     """What serving needs of the node: its run, stage and state, its view of the swarm, its model."""
 
@@ -55,7 +65,7 @@ class Donor(Protocol):
     compute: ComputeQueue
     piece: nn.Module
     optimizer: StageOptimizer
-    outer: OuterLoop
+    outer: OuterState
     copies: dict[StatePart, state.TensorMap]
 
     @property
@@ -82,7 +92,13 @@ class StateServer:
         self._cached: _Cached | None = None
         self._lookup = _SharedRead(node.refresh_snapshot)
 
-    async def serve(self, peer: str, request: StateRequest) -> tuple[bytes, list[Tensor]]:
+    @property
+    def serving(self) -> frozenset[str]:
+        """The peers whose transfers hold a slot now."""
+        return frozenset(self._serving)
+
+    async def serve(self, peer: str, request: StateRequest) -> Reply:
+        """The reply to `peer`'s state request; its slot is released once the transport has written it."""
         node = self.node
         if request.stage != node.stage:
             why = f"state of stage {request.stage} asked from stage {node.stage}"
@@ -99,8 +115,9 @@ class StateServer:
             cached = self._current(request.parts)
             if cached is None:
                 cached = await node.compute.submit(Priority.SERVE, lambda: self._snapshot(request.parts))
-        finally:
+        except BaseException:
             self._serving.discard(peer)
+            raise
         out = {name: t for part in request.parts for name, t in cached.parts[part].items()}
         step, outer_step, grad_norm, lr_factor = cached.header
         header = StateTransfer(
@@ -113,7 +130,7 @@ class StateServer:
             state.manifest(out),
             lr_factor,
         )
-        return encode(header), list(out.values())
+        return Reply(encode(header), list(out.values()), lambda _: self._serving.discard(peer))
 
     async def _authorise(self, peer: str, parts: tuple[StatePart, ...]) -> None:
         found = self.node.snapshot.record(peer)

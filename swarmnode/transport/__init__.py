@@ -1,7 +1,7 @@
 """Tensor RPC between daemons, over hivemind's libp2p daemon.
 
     transport = Transport(p2p, TransportConfig(direct_host="127.0.0.1"))  # p2p: `await dht.replicate_p2p()`
-    transport.register("forward", handler)  # async (peer_id, meta, tensors) -> (meta, tensors)
+    transport.register("forward", handler)  # async (peer_id, meta, tensors) -> (meta, tensors) or Reply
     await transport.start()
     meta, tensors = await transport.call(peer_id, "forward", meta, tensors, timeout=5.0)
     await transport.close()
@@ -22,7 +22,7 @@ from swarmnode.transport._errors import (
     TransportError,
 )
 from swarmnode.transport._framing import DTYPES, Compression, Limits
-from swarmnode.transport._serving import Handler
+from swarmnode.transport._serving import Handler, Reply
 from swarmnode.transport._transport import Transport
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "PeerUnreachable",
     "ProtocolError",
     "RemoteError",
+    "Reply",
     "Transport",
     "TransportConfig",
     "TransportError",

@@ -5,6 +5,11 @@ carries requests one after another; a malformed frame gets a "bad_request" answe
 stream, and every step is bounded: the wait for a request (`idle_timeout`), its head (`header_timeout`), its
 body (the rate floor and byte budget of `_intake`), the whole request (its timeout, capped by
 `max_request_seconds`), the answer to a refusal (1 s). Refusals and drops are counted in `TransportStats`.
+
+A handler that must know when its reply has left (to hold a resource until then, such as a slot of a large
+transfer) returns a `Reply` whose `written` callback the server calls once, after the reply frame's last
+byte left the process or once it could not (the stream failed or stalled past the request's deadline, the
+reply could not be encoded, the transport closed).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -44,8 +50,19 @@ logger = logging.getLogger(__name__)
 UNKNOWN_METHOD_BODY_BYTES = 1 << 20  # what a request for a method not served may carry before it is refused
 REFUSAL_LINGER_SECONDS = 1.0  # how long a refused stream is kept so that its caller can read why
 
-Handler = Callable[[PeerID, bytes, list[torch.Tensor]], Awaitable[tuple[bytes, list[torch.Tensor]]]]
-"""Serves one method: (caller, meta, tensors) -> (meta, tensors) of the reply."""
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply and what to do once it is written: `written(True)` after its last byte left the process,
+    `written(False)` if it never will. Called exactly once, on the event loop; it must not raise."""
+
+    meta: bytes
+    tensors: list[torch.Tensor]
+    written: Callable[[bool], None]
+
+
+Handler = Callable[[PeerID, bytes, list[torch.Tensor]], Awaitable[tuple[bytes, list[torch.Tensor]] | Reply]]
+"""Serves one method: (caller, meta, tensors) -> (meta, tensors) of the reply, or a `Reply`."""
 
 
 class Server:
@@ -208,11 +225,17 @@ class Server:
         try:
             async with asyncio.timeout_at(deadline):
                 tensors = await read_tensors(body.read, request.specs)
-            reply = await self._dispatch(peer_id, request, tensors, deadline)
+            reply, written = await self._dispatch(peer_id, request, tensors, deadline)
         finally:
             body.close()
-        async with asyncio.timeout_at(max(deadline, loop.time() + config.header_timeout)):
-            await write_frame(writer, reply)
+        ok = False
+        try:
+            async with asyncio.timeout_at(max(deadline, loop.time() + config.header_timeout)):
+                await write_frame(writer, reply)
+            ok = True
+        finally:
+            if written is not None:
+                written(ok)
 
     def _check(self, peer_id: PeerID, request: Request, body_len: int) -> None:
         """Refuse a request over its method's bounds, or whose body cannot fit, before its body is read."""
@@ -232,25 +255,34 @@ class Server:
 
     async def _dispatch(
         self, peer_id: PeerID, request: Request, tensors: list[torch.Tensor], deadline: float
-    ) -> list[Buffer]:
+    ) -> tuple[list[Buffer], Callable[[bool], None] | None]:
+        """The reply frame to write, and the handler's `Reply.written` (None if it gave none, or was told)."""
         handler = self._handlers.get(request.method)
         if handler is None:
             self._stats.errors_returned["unknown_method"] += 1
-            return encode_error("unknown_method", f"no method {show(request.method)}")
+            return encode_error("unknown_method", f"no method {show(request.method)}"), None
         bound = asyncio.timeout_at(deadline)
+        written = None
         try:
             async with bound:
-                meta, out = await handler(peer_id, request.meta, tensors)
+                answer = await handler(peer_id, request.meta, tensors)
+            if isinstance(answer, Reply):
+                meta, out, written = answer.meta, answer.tensors, answer.written
+            else:
+                meta, out = answer
             reply = encode_response(meta, out, request.reply_compression)
         except Exception as e:
+            if written is not None:
+                written(False)
             if bound.expired():
                 self._stats.errors_returned["timeout"] += 1
-                return encode_error("timeout", f"{request.method} did not finish in {request.timeout:g} s")
+                error = encode_error("timeout", f"{request.method} did not finish in {request.timeout:g} s")
+                return error, None
             logger.warning("handler %s failed for %s", request.method, peer_id, exc_info=True)
             self._stats.errors_returned["handler_error"] += 1
-            return encode_error("handler_error", f"{type(e).__name__}: {e}")
+            return encode_error("handler_error", f"{type(e).__name__}: {e}"), None
         self._stats.served += 1
-        return reply
+        return reply, written
 
     async def _refuse(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, refusal: Refused
