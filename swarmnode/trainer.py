@@ -11,10 +11,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from swarmnode.data import Corpus, batches, data_node_tokens, load_corpus, val_batches, validation_set
+from swarmnode.hf import SplitStateDicts
+from swarmnode.modeldir import check_shape, load_pieces, read_model_folder, write_model_folder
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import DataPiece, build_piece
 from swarmnode.presets import Preset, get_preset
@@ -32,6 +35,8 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 20
     eval_batches: int | None = None  # None: the standard validation set (`data.validation_set`)
+    init_from: Path | None = None  # a Hugging Face Llama folder to start from (`modeldir`), not the seed
+    out: Path | None = None  # where to write the trained model as a Hugging Face folder
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,11 @@ def train(
     torch.manual_seed(config.seed)
 
     pieces = [build_piece(model_config, k, n_stages, seed=config.seed) for k in range(n_stages + 1)]
-    data_piece = pieces[0]
+    if config.init_from is not None:
+        found, split = read_model_folder(config.init_from, n_stages)
+        check_shape(found, model_config, f"preset {config.preset!r} with this tokenizer")
+        load_pieces(pieces, split)
+    data_piece = cast(DataPiece, pieces[0])
     stages = pieces[1:]
     schedule = Schedule(preset.lr, preset.warmup_steps, config.steps)
     optimizers = [StageOptimizer(piece, schedule) for piece in pieces]
@@ -141,6 +150,17 @@ def train(
                 )
             )
 
+    if config.out is not None:
+        split = SplitStateDicts(
+            data_piece.embedding.state_dict(), [s.state_dict() for s in stages], data_piece.head.state_dict()
+        )
+        metadata = {
+            "trainer": "swarmnode train",
+            "preset": config.preset,
+            "stages": n_stages,
+            "step": config.steps,
+        }
+        write_model_folder(config.out, model_config, split, corpus.tokenizer_path, metadata)
     tail = losses[-min(10, len(losses)) :]
     return TrainResult(
         steps=config.steps,

@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 
 from swarmnode.data import Corpus, DataError, load_corpus
+from swarmnode.model import ModelConfig
+from swarmnode.modeldir import ModelFolderError, check_out_folder, check_shape, read_config, tokenizer_of
 from swarmnode.presets import Preset, get_preset
 
 
@@ -32,6 +34,41 @@ def load_corpus_or_fail(data: Path | None, tokenizer: Path | None, vocab_size: i
         return load_corpus(data, tokenizer, vocab_size)
     except DataError as error:
         raise click.UsageError(_message(error)) from None
+
+
+def out_folder_or_fail(out: Path | None) -> None:
+    """`--out DIR` for a model folder: absent, empty or an earlier model folder, in a writable place."""
+    if out is None:
+        return
+    try:
+        check_out_folder(out)
+    except ModelFolderError as error:
+        raise click.BadParameter(str(error), param_hint="--out") from None
+
+
+def init_tokenizer_or_fail(folder: Path) -> Path:
+    """The tokenizer.json of an `--init-from` folder (the model's vocabulary is that tokenizer's)."""
+    if not folder.is_dir():
+        raise click.BadParameter(f"{folder} is not a folder", param_hint="--init-from")
+    path = tokenizer_of(folder)
+    if path is None:
+        raise click.BadParameter(
+            f"{folder} has no tokenizer.json: give the one its model was trained with as --tokenizer",
+            param_hint="--init-from",
+        )
+    return path
+
+
+def init_from_or_fail(folder: Path | None, expected: ModelConfig, preset: str) -> None:
+    """`--init-from DIR`: a Llama folder whose shape and vocabulary are the run's (the field that differs
+    is named)."""
+    if folder is None:
+        return
+    try:
+        found, _ = read_config(folder)
+        check_shape(found, expected, f"preset {preset!r} with this tokenizer")
+    except ModelFolderError as error:
+        raise click.BadParameter(str(error), param_hint="--init-from") from None
 
 
 def _message(error: Exception) -> str:

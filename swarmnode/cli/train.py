@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from swarmnode.cli.options import load_corpus_or_fail, preset_or_fail, stages_or_fail
+from swarmnode.cli.options import (
+    init_from_or_fail,
+    init_tokenizer_or_fail,
+    load_corpus_or_fail,
+    out_folder_or_fail,
+    preset_or_fail,
+    stages_or_fail,
+)
+from swarmnode.modeldir import ModelFolderError
 from swarmnode.trainer import Progress, TrainConfig
 from swarmnode.trainer import train as run_training
 
@@ -25,6 +34,20 @@ from swarmnode.trainer import train as run_training
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None, help="A tokenizer.json to use.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--eval-every", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option(
+    "--init-from",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="Start from the weights of a Hugging Face Llama folder (an export), with its tokenizer by default.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="Write the trained model here as a Hugging Face folder (as `swarmnode export` does).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def train(
     preset: str,
@@ -34,13 +57,19 @@ def train(
     tokenizer: Path | None,
     seed: int,
     eval_every: int,
+    init_from: Path | None,
+    out: Path | None,
     as_json: bool,
 ) -> None:
     """Train a preset in this one process, through the same stage pieces the daemons run."""
     chosen = preset_or_fail(preset)
     n_stages = stages_or_fail(chosen, stages)
+    out_folder_or_fail(out)
+    if init_from is not None and tokenizer is None:
+        tokenizer = init_tokenizer_or_fail(init_from)
     corpus = load_corpus_or_fail(data, tokenizer, chosen.vocab_size)
-    config = TrainConfig(preset, n_stages, steps, data, tokenizer, seed, eval_every)
+    init_from_or_fail(init_from, replace(chosen.model, vocab_size=corpus.vocab_size), chosen.name)
+    config = TrainConfig(preset, n_stages, steps, data, tokenizer, seed, eval_every, None, init_from, out)
 
     with click.progressbar(length=steps, label="training", file=sys.stderr, show_pos=True) as bar:
 
@@ -52,7 +81,10 @@ def train(
                     f"tok/s {progress.tokens_per_second:.0f}"
                 )
 
-        result = run_training(config, on_progress, corpus=corpus)
+        try:
+            result = run_training(config, on_progress, corpus=corpus)
+        except ModelFolderError as error:
+            raise click.BadParameter(str(error), param_hint="--init-from") from None
 
     if as_json:
         click.echo(json.dumps(result.as_dict()))
