@@ -9,8 +9,8 @@ to it, as their DHT records describe them:
 - `embedding_copy` / `head_copy` (CheckFree+ only): from a data node, to the nodes of stage 1 / stage s
   that keep the copy (whatever their state: online holders refresh it); from those holders, to a data node
   joining or recovering stage 0;
-- `weights` of any stage: also an exporter (`swarmnode export`, a record `exporting`, published under stage 0),
-  which writes the model to files. Never the optimizer or the copies: an exporter needs the model only.
+- `weights` of any stage: also an exporter (`swarmnode export`: a record `exporting`, under stage 0), which
+  writes the model to files. Never the optimizer or the copies: an exporter needs the model only.
 """
 
 from __future__ import annotations

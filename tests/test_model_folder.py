@@ -100,3 +100,18 @@ def test_bad_init_from_is_a_one_line_usage_error_naming_the_field(
     (changed / "model.safetensors").write_bytes(b"not safetensors")
     (changed / "config.json").write_text((out / "config.json").read_text())
     one_line_usage_error(*run("train", "--steps", "1", "--init-from", str(changed)), "model.safetensors")
+
+
+def test_rolling_snapshots_keep_the_newest(tmp_path: Path) -> None:
+    from swarmnode.exporter import prune
+
+    for step in (10, 20, 30, 40):
+        (tmp_path / f"step-{step:06d}").mkdir()
+    (tmp_path / ".step-000050.abc.partial").mkdir()  # a snapshot being written is not counted
+    prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".step-000050.abc.partial",
+        "step-000030",
+        "step-000040",
+    ]
+    check_out_folder(tmp_path, snapshots="step-")  # a folder of snapshots takes more
