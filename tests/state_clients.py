@@ -1,6 +1,6 @@
 """Hostile and joining clients of a swarm's state and averaging RPCs, run by `swarm_clients.py`:
 
-    python swarm_clients.py {requester,averager} PEERS_FILE RUN_ID ARGS...
+    python swarm_clients.py {requester,averager,donor} PEERS_FILE RUN_ID ARGS...
 
 torch and hivemind are imported inside them, so importing this module stays cheap.
 """
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 BURST = 8  # concurrent state requests of the requester's burst
+POISONS = ("exp_avg", "clock", "lr_factor")  # what the hostile donor poisons, one per state request in turn
 
 
 def _say(**fields: Any) -> None:
@@ -43,6 +44,7 @@ async def _ask_state(transport, run_id: str, peer: str, stage: int, parts) -> di
         "kind": "state_transfer",
         "step": message.step,
         "sum": float(flat.sum()),
+        "largest": float(flat.abs().max()),
         "tensors": received,
     }
 
@@ -143,4 +145,84 @@ def averager_main(argv: Sequence[str]) -> int:
     return _run_client(peers_file, run_id, attack)
 
 
-STATE_CLIENTS = {"requester": requester_main, "averager": averager_main}
+def donor_main(argv: Sequence[str]) -> int:
+    """`python swarm_clients.py donor PEERS_FILE RUN_ID STAGE STAGES STOP_FILE`
+
+    A hostile donor of STAGE (of a tiny run of STAGES transformer stages): it publishes an `online` record
+    for STAGE, answers `ping` with a Pong of STAGE, and every `state` request with the stage's initial
+    weights and a poisoned optimizer state, the next of POISONS each time: Adam's exp_avg of `1e30`, a
+    step of `2**63 - 1`, an lr factor of 10. Prints {"event": "ready", "peer_id"}, {"served": POISON,
+    "to": PEER} per state answer, and once STOP_FILE exists, {"event": "done"}.
+    """
+    import asyncio
+    import itertools
+    import time
+    from pathlib import Path
+
+    import torch
+    from swarm_clients import _run_client
+
+    from protocols.messages import (
+        NodeRecord,
+        NodeState,
+        Pong,
+        Rpc,
+        StateRequest,
+        StateTransfer,
+        decode,
+        encode,
+    )
+    from swarmnode.node.state import manifest, weights
+    from swarmnode.pieces import build_piece
+    from swarmnode.presets import get_preset
+    from swarmnode.transport import Transport
+
+    peers_file, run_id, stage_text, stages_text, stop_file = argv
+    stage, stop = int(stage_text), Path(stop_file)
+    honest = weights(build_piece(get_preset("tiny").model, stage, int(stages_text)))
+    poisons = itertools.cycle(POISONS)
+
+    def poisoned(poison: str) -> dict[str, torch.Tensor]:
+        out = dict(honest)
+        for name, tensor in honest.items():
+            big = 1e30 if poison == "exp_avg" else 0.0
+            out[f"adam.{name}.step"] = torch.tensor(1.0)
+            out[f"adam.{name}.exp_avg"] = torch.full_like(tensor, big)
+            out[f"adam.{name}.exp_avg_sq"] = torch.zeros_like(tensor)
+            out[f"outer.phi.{name}"] = tensor
+        return out
+
+    async def on_ping(peer, meta: bytes, tensors: list) -> tuple[bytes, list]:  # type: ignore[no-untyped-def]
+        return encode(Pong(stage)), []
+
+    async def on_state(peer, meta: bytes, tensors: list) -> tuple[bytes, list]:  # type: ignore[no-untyped-def]
+        request = decode(meta, StateRequest)
+        poison = next(poisons)
+        out = {
+            name: t for name, t in poisoned(poison).items() if name in honest or "optimizer" in request.parts
+        }
+        step = 2**63 - 1 if poison == "clock" else 1
+        lr_factor = 10.0 if poison == "lr_factor" else 1.0
+        header = StateTransfer(run_id, stage, request.parts, step, 0, 0.5, manifest(out), lr_factor)
+        _say(served=poison, to=str(peer))
+        return encode(header), list(out.values())
+
+    async def serve(p2p, dht) -> None:  # type: ignore[no-untyped-def]
+        transport = Transport(p2p)
+        transport.register(Rpc.PING, on_ping)
+        transport.register(Rpc.STATE, on_state)
+        await transport.start()
+        record = NodeRecord(state=NodeState.ONLINE, stage=stage, step=1, outer_step=0)
+        await dht.publish(record, 4.0)
+        _say(event="ready", peer_id=str(p2p.peer_id))
+        deadline = time.monotonic() + 300
+        while not stop.exists() and time.monotonic() < deadline:
+            await dht.publish(record, 4.0)
+            await asyncio.sleep(1.0)
+        await transport.close()
+        _say(event="done")
+
+    return _run_client(peers_file, run_id, serve)
+
+
+STATE_CLIENTS = {"requester": requester_main, "averager": averager_main, "donor": donor_main}

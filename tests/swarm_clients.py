@@ -1,11 +1,11 @@
 """The tests' clients of a swarm, each run as a separate process by `LocalTestSwarm.client`:
 
-    python swarm_clients.py {hostile,weights,requester,averager} PEERS_FILE RUN_ID ARGS...
+    python swarm_clients.py {hostile,weights,requester,averager,donor} PEERS_FILE RUN_ID ARGS...
 
 `hostile_main` is a hostile peer that sends bad "forward" calls; `weights_main` observes two replicas'
 weights (announcing itself as a node recovering their stage: state goes to joiners only); the state and
-averaging clients are in state_clients.py. hivemind and torch are imported inside them, so importing
-this module (for `CLIENTS`) stays cheap.
+averaging clients, and a hostile donor, are in state_clients.py. hivemind and torch are imported inside
+them, so importing this module (for `CLIENTS`) stays cheap.
 """
 
 from __future__ import annotations

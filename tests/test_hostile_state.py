@@ -1,25 +1,30 @@
 """Hostile peers against a real daemon's state transfers and NoLoCo averaging (issue 9).
 
 A bootstrap and one stage node (no data node, so nothing trains and the node's state stays put), and
-clients from state_clients.py acting as a stranger, a joining node and a poisoning averaging partner. Every
-test ends every process group it started (the `swarm` fixture checks that nothing is left).
+clients from state_clients.py acting as a stranger, a joining node and a poisoning averaging partner. Then a
+training swarm (bootstrap, data node, one stage) whose stage node leaves while a hostile donor claims its
+stage, and a real joiner of that stage. Every test ends every process group it started (the `swarm` fixture
+checks that nothing is left).
 
-A poisoned donor (Adam moments of `1e30`, `step = 2**63 - 1`, `lr_factor = 10`) is tested at the unit level
-(tests/test_node_pieces.py on the loading function, tests/protocols/test_bounds.py on the checks).
+The bounds themselves are tested at the unit level (tests/test_node_pieces.py on the loading function,
+tests/protocols/test_bounds.py on the checks).
 """
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from state_clients import BURST
+from state_clients import BURST, POISONS
 from swarm_clients import CLIENTS
-from swarm_harness import LocalTestSwarm, NodeProcess
+from swarm_harness import LocalTestSwarm, NodeProcess, poll
 
 pytestmark = pytest.mark.integration
+
+STEPS = 400  # far more than the test needs: the swarm is stopped when it ends
 
 
 @pytest.fixture
@@ -86,3 +91,53 @@ def test_averaging_tensors_far_from_ours_are_declined_and_never_applied(swarm: L
     # and the node's weights are untouched and finite
     assert after["unchanged"] and after["finite"], after
     assert node.poll() is None, node.stderr_tail()
+
+
+def _step(node: NodeProcess) -> int:
+    steps = node.events("step")
+    return steps[-1]["step"] if steps else 0
+
+
+@pytest.mark.timeout(300)
+def test_a_joiner_refuses_a_poisoned_donor_and_training_goes_on(swarm: LocalTestSwarm) -> None:
+    swarm.bootstrap(steps=STEPS, stages=1)
+    honest = swarm.join(1)
+    swarm.wait_online(honest)
+    data = swarm.join(0)
+    swarm.wait_online(data)
+    poll(lambda: _step(data) >= 3, 120, "the data node's first steps", alive=data.check_alive)
+    swarm.stop(honest)  # stage 1's only honest node leaves; a hostile donor claims the stage
+    stop = swarm.folder / "stop-donor"
+    donor = swarm.client("donor", 1, 1, stop)
+    attacker = donor.wait_event("ready", 60)["peer_id"]
+    joiner = swarm.join(1, name="joiner")
+    joined = swarm.wait_online(joiner, timeout=150)[0]
+    trained = _step(data)
+
+    # the donor answered each of the joiner's three attempts, each time with another poison...
+    served = [e for e in donor.events() if "served" in e]
+    assert [e["served"] for e in served] == list(POISONS), served
+    assert {e["to"] for e in served} == {joined["peer_id"]}, served
+    # ...and each was refused, for what it was, with the donor named in the log
+    log = joiner.err_path.read_text()
+    refusals = [line for line in log.splitlines() if f"state fetch from {attacker[-8:]} failed" in line]
+    assert len(refusals) == len(POISONS), log[-3000:]
+    for refusal, why in zip(
+        refusals, ("exp_avg of", "ahead of the swarm clock", "donor lr factor 10"), strict=True
+    ):
+        assert why in refusal, refusal
+    # with no honest replica left, the recovery rules re-initialise the stage, and say why
+    recovered = joiner.events("recovered")
+    assert [e["method"] for e in recovered] == ["reinit"], recovered
+    assert "could not be recovered in 3 attempts" in recovered[0]["reason"], recovered
+
+    # training goes on through the joiner, whose weights and moments are finite and within bounds
+    poll(lambda: _step(data) >= trained + 3, 120, "training to go on", alive=data.check_alive)
+    state = answers(swarm.client("requester", joined["peer_id"], 1, "recovering"))
+    served_ok = [a for a in state if a["outcome"] == "ok"]
+    assert served_ok and all(0 < a["largest"] < 100 for a in served_ok), state
+    assert all(math.isfinite(e["loss"]) for e in data.events("step")), data.events("step")[-3:]
+    stop.touch()
+    assert donor.wait_exit(60) == 0, donor.stderr_tail()
+    for node in (data, joiner):
+        node.check_alive()
