@@ -4,20 +4,18 @@ replacements did and that training went on."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 import torch
-from swarm_harness import LocalTestSwarm, NodeProcess, group_members, poll, stage_peers
+from swarm_harness import LocalTestSwarm, NodeProcess, group_members, local_test_swarm, poll, stage_peers
 
 from swarmnode.pieces import build_piece
 from swarmnode.presets import get_preset
@@ -34,17 +32,9 @@ START_S = 120.0  # bound for a process to come online on a loaded 2-core machine
 WINDOW = 5  # steps per loss window
 
 
-@contextmanager
-def failure_swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
+def failure_swarm(tmp_path: Path) -> contextlib.AbstractContextManager[LocalTestSwarm]:
     """A test swarm's harness; on exit every process ended, the sockets SIGKILLed nodes left removed."""
-    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"fail{uuid.uuid4().hex[:10]}")
-    try:
-        yield harness
-    finally:
-        harness.close()
-        harness.remove_leftover_sockets()  # SIGKILLed nodes cannot remove their p2pd sockets
-        if harness.left_behind:
-            raise AssertionError(f"processes left behind: {harness.left_behind}")
+    return local_test_swarm(tmp_path / "swarm", prefix="fail")
 
 
 def start_swarm(

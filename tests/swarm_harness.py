@@ -27,7 +27,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -372,3 +373,17 @@ def step_losses(events: Iterable[dict[str, Any]]) -> list[float]:
 
 def stage_peers(summary: dict[str, Any], stage: int) -> list[dict[str, Any]]:
     return next((s["peers"] for s in summary["stages"] if s["stage"] == stage), [])
+
+
+@contextlib.contextmanager
+def local_test_swarm(folder: Path, prefix: str = "test") -> Iterator[LocalTestSwarm]:
+    """A test swarm of a fresh run id; on exit every process it started is ended (and checked gone), and
+    the socket files of SIGKILLed nodes (which cannot remove their own) are removed."""
+    harness = LocalTestSwarm(folder, run_id=f"{prefix}{uuid.uuid4().hex[:10]}")
+    try:
+        yield harness
+    finally:
+        harness.close()
+        harness.remove_leftover_sockets()
+        if harness.left_behind:
+            raise AssertionError(f"processes left behind: {harness.left_behind}")

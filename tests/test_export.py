@@ -7,8 +7,6 @@ exporter (a separate process) writes the folder, which transformers loads with n
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,17 +21,6 @@ from swarmnode.runspec import RunSpec
 
 pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
-    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"test{uuid.uuid4().hex[:10]}")
-    try:
-        yield harness
-    finally:
-        harness.close()
-        harness.remove_leftover_sockets()
-        assert not harness.left_behind, f"processes left behind: {harness.left_behind}"
 
 
 def hf_validation_loss(model, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:  # type: ignore[no-untyped-def]

@@ -16,8 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -122,17 +120,6 @@ async def _attack(victims: list[str], maddrs: list[str], run_id: str) -> int:
     finally:
         await p2p.shutdown()
     return refused
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
-    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"bomb{uuid.uuid4().hex[:10]}")
-    try:
-        yield harness
-    finally:
-        harness.close()
-        harness.remove_leftover_sockets()
-        assert not harness.left_behind, f"processes left behind: {harness.left_behind}"
 
 
 def _peer_id(node: NodeProcess) -> str:

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,17 +28,6 @@ STEPS = 400  # far more than the attack needs: the swarm is stopped when the tes
 ATTACK_S = 8.0
 TINY = RunSpec.for_preset("tiny")
 TINY_DIM = 128
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
-    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"forge{uuid.uuid4().hex[:10]}")
-    try:
-        yield harness
-    finally:
-        harness.close()
-        harness.remove_leftover_sockets()
-        assert not harness.left_behind, f"processes left behind: {harness.left_behind}"
 
 
 def _step(node: NodeProcess) -> int:
