@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 WATCH_S = 1.0  # how often a waiting data node checks that the peers on pending paths are alive
 DEAD_GRACE_S = 2.0  # how long a microbatch may stay pending after a peer on its path was found dead
 EVALUATION_BASE = 2**62  # iteration numbers of validation passes, apart from training iterations
+CATCH_UP_TICKS = 8  # a data node further behind the swarm clock than this jumps to it (joined late, was away)
 
 
 @dataclass
@@ -93,12 +94,18 @@ class DataNode(Node):
         """Run iterations until the run's total steps; returns early if stopped.
 
         The iteration number is the swarm clock: one tick per iteration, successful or not. A data node
-        that finds another one ahead of it (in the DHT records) catches up, so the data nodes' clocks agree
-        and the stage replicas, which follow the clock in the forwards they see, share one schedule."""
+        that finds the swarm more than `CATCH_UP_TICKS` ahead of it (in the DHT records: it joined late, or
+        was away) jumps to the swarm's tick, so the data nodes' clocks agree and the stage replicas, which
+        follow the clock in the forwards they see, share one schedule. A data node only a few ticks behind
+        (a little slower than another) runs every tick: skipping ticks whenever the timing put it behind
+        made how much it trained depend on the timing."""
         if self.optimizer.step_count == 0:
             await self.evaluate()  # the initial validation loss, once every stage is online
         while not self._stopping.is_set():
-            self.iteration = max(self.iteration, self.optimizer.step_count, self.snapshot.clock())
+            clock = self.snapshot.clock()
+            if clock - self.iteration > CATCH_UP_TICKS:
+                self.iteration = clock
+            self.iteration = max(self.iteration, self.optimizer.step_count)
             if self.iteration >= self.spec.total_steps:
                 break
             self.optimizer.advance(self.iteration)
