@@ -19,6 +19,7 @@ REPORT = {
     "tokens_per_second": 2722.4,
     "failures": [{}],
     "recoveries_by_method": {"checkfree": {"count": 1, "mean_seconds": 2.13}},
+    "stages_not_recovered": [],
     "microbatches_lost": 3,
 }
 SUMMARY = (
