@@ -55,6 +55,11 @@ class Snapshot:
                     return peer
         return None
 
+    def records(self, peer_id: str) -> list[PeerRecord]:
+        """Every record of `peer_id`: a node that moved to another stage has one under each until the old
+        one expires."""
+        return [peer for peers in self.stages.values() for peer in peers if peer.peer_id == peer_id]
+
 
 @dataclass(frozen=True)
 class PlannedMicrobatch:

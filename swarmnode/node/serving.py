@@ -133,22 +133,32 @@ class StateServer:
         return Reply(encode(header), list(out.values()), lambda _: self._serving.discard(peer))
 
     async def _authorise(self, peer: str, parts: tuple[StatePart, ...]) -> None:
-        found = self.node.snapshot.record(peer)
-        if found is None:
+        """Serve `parts` to `peer` if one of its records allows it; else read the DHT once more (its record
+        may be newer than this node's view: a replica that just moved here from another stage) and decide
+        on that."""
+        why = self._refusal(peer, parts)
+        if why is not None:
             await self._lookup.read()
-            found = self.node.snapshot.record(peer)
-        if found is None:
-            raise Rejected(ErrorCode.WRONG_STAGE, f"{peer[-8:]} has no record in this run: no state for it")
-        why = refusal(
-            parts,
-            stage=self.node.stage,
-            num_stages=self.node.spec.stages,
-            checkfree_plus=self.node.spec.checkfree_plus,
-            requester_stage=found.record.stage,
-            requester_state=found.record.state,
-        )
+            why = self._refusal(peer, parts)
         if why is not None:
             raise Rejected(ErrorCode.WRONG_STAGE, why)
+
+    def _refusal(self, peer: str, parts: tuple[StatePart, ...]) -> str | None:
+        found = self.node.snapshot.records(peer)
+        if not found:
+            return f"{peer[-8:]} has no record in this run: no state for it"
+        reasons = [
+            refusal(
+                parts,
+                stage=self.node.stage,
+                num_stages=self.node.spec.stages,
+                checkfree_plus=self.node.spec.checkfree_plus,
+                requester_stage=record.record.stage,
+                requester_state=record.record.state,
+            )
+            for record in found
+        ]
+        return None if None in reasons else reasons[0]
 
     def _version(self) -> tuple[int, int, int]:
         optimizer = self.node.optimizer
