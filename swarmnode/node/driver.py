@@ -99,6 +99,8 @@ class DataNode(Node):
         follow the clock in the forwards they see, share one schedule. A data node only a few ticks behind
         (a little slower than another) runs every tick: skipping ticks whenever the timing put it behind
         made how much it trained depend on the timing."""
+        if self.optimizer.step_count == 0 and self.snapshot.clock() == 0:
+            await self._await_pipeline()
         if self.optimizer.step_count == 0:
             await self.evaluate()  # the initial validation loss, once every stage is online
         while not self._stopping.is_set():
@@ -147,6 +149,20 @@ class DataNode(Node):
                     seconds=round(time.monotonic() - started, 4),
                 )
         await self.evaluate()
+
+    async def _await_pipeline(self) -> None:
+        """A fresh swarm trains once every transformer stage has an online node in this node's view. Paths
+        planned while some stage was still starting skip it, and a few such first steps (stage 2 fed raw
+        embeddings, the head fed stage 2's output) left a 2x1 swarm stalled near 6.2 where runs without
+        them reach 5.4. Skipping is for stages lost later, while they are rebuilt."""
+        stages = range(1, self.spec.stages + 1)
+        missing = [k for k in stages if not self.snapshot.online(k)]
+        if missing:
+            logger.info("waiting for stages %s to have an online node before training", missing)
+        while missing and not self._stopping.is_set():
+            await asyncio.sleep(self.spec.record_period_s)
+            await self.refresh_snapshot()
+            missing = [k for k in stages if not self.snapshot.online(k)]
 
     @property
     def _tokens_per_mb(self) -> int:
