@@ -198,8 +198,11 @@ def test_killing_one_replica_costs_at_most_the_iteration_timeout(swarm: LocalTes
     steps = data.events("step")
     failed = data.events("iteration_failed")
     lost_events = data.events("microbatch_lost")
-    assert finished["step"] == steps_total == len(steps)
-    assert [e["step"] for e in steps] == list(range(1, steps_total + 1))
+    # every tick is a step or, if the kill took all of its microbatches (each goes to either replica of
+    # stage 2: about one in 16 iterations in flight at the kill), a failed iteration; never both or none
+    ticks = sorted([e["step"] for e in steps] + [e["iteration"] + 1 for e in failed])
+    assert finished["step"] == steps_total and ticks == list(range(1, steps_total + 1)), ticks
+    assert len(failed) <= 1, failed
     assert steps_between(data, killed), "no step after the kill"
     # no iteration waited past the bound
     slow = [e for e in steps if e["seconds"] >= ITERATION_BOUND_S]

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from protocols.messages import MAX_NONCE, Ack, Backward, ErrorCode, Forward, Route, encode
+from protocols.messages import Ack, Backward, ErrorCode, Forward, Route, encode
 from protocols.stepbook import MicrobatchKey
 from swarmnode.data import Corpus, batches, data_node_tokens, validation_set
 from swarmnode.dht import SwarmDHT
@@ -27,6 +25,7 @@ from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
 from swarmnode.node.daemon import Node
 from swarmnode.node.events import emit
+from swarmnode.node.iteration import Iteration, Microbatch, stale
 from swarmnode.node.liveness import answering
 from swarmnode.node.planning import PlannedMicrobatch, plan_iteration
 from swarmnode.node.worker import DataWorker
@@ -38,32 +37,6 @@ WATCH_S = 1.0  # how often a waiting data node checks that the peers on pending 
 DEAD_GRACE_S = 2.0  # how long a microbatch may stay pending after a peer on its path was found dead
 EVALUATION_BASE = 2**62  # iteration numbers of validation passes, apart from training iterations
 CATCH_UP_TICKS = 8  # a data node further behind the swarm clock than this jumps to it (joined late, was away)
-
-
-@dataclass
-class _Microbatch:
-    planned: PlannedMicrobatch
-    targets: Tensor
-    path: tuple[str, ...] = ()
-    nonce: int = field(default_factory=lambda: 1 + secrets.randbelow(MAX_NONCE))  # unguessable
-    loss: float | None = None
-    done: bool = False
-    returned: bool = False  # its activations came back (a second copy, from a timed-out hop, is refused)
-    routed_at: int = 0  # the hop of the latest re-route reported (`Route`); notices may arrive out of order
-    first_hops: set[str] = field(default_factory=set)  # every stage-1 peer it was sent to: one sends its grad
-
-
-@dataclass
-class _Iteration:
-    number: int
-    microbatches: dict[int, _Microbatch] = field(default_factory=dict)
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    evaluation: bool = False
-    closed: bool = False  # the data node has stopped waiting: late work must not touch the gradients
-
-    def check(self) -> None:
-        if all(mb.done for mb in self.microbatches.values()):
-            self.finished.set()
 
 
 class DataNode(Node):
@@ -86,7 +59,7 @@ class DataNode(Node):
         self.eval_every = eval_every
         self.iteration = 0
         self._evaluations = 0
-        self._current: _Iteration | None = None
+        self._current: Iteration | None = None
         self.val_loss: float | None = None
         self.routes_reported = 0  # re-routes that stage nodes reported (`Route`)
 
@@ -195,10 +168,10 @@ class DataNode(Node):
         if evaluation:
             self._evaluations += 1
         number = EVALUATION_BASE + self._evaluations if evaluation else self.iteration
-        iteration = _Iteration(number, evaluation=evaluation)
+        iteration = Iteration(number, evaluation=evaluation)
         self._current = iteration
         for plan, (_, targets) in zip(planned, data, strict=True):
-            iteration.microbatches[plan.microbatch] = _Microbatch(plan, targets, plan.path)
+            iteration.microbatches[plan.microbatch] = Microbatch(plan, targets, plan.path)
         launches = zip(iteration.microbatches.values(), data, strict=True)
         await asyncio.gather(*(self._launch(iteration, mb, inputs) for mb, (inputs, _) in launches))
         await self._await(iteration)
@@ -215,7 +188,7 @@ class DataNode(Node):
             emit("microbatch_lost", step=self.optimizer.step_count, count=len(lost))
         return losses, len(lost)
 
-    async def _await(self, iteration: _Iteration) -> None:
+    async def _await(self, iteration: Iteration) -> None:
         """Wait for every microbatch, at most `iteration_timeout_s`. Every `WATCH_S` the peers on the paths of
         pending microbatches are pinged: a microbatch still pending `DEAD_GRACE_S` after a peer on its path
         was found dead is lost, so a node that dies holding a microbatch stalls the iteration for seconds,
@@ -251,7 +224,7 @@ class DataNode(Node):
                         iteration, mb, key, f"peer {sorted(dead & set(mb.path))[0][-8:]} is dead"
                     )
 
-    async def _launch(self, iteration: _Iteration, mb: _Microbatch, inputs: Tensor) -> None:
+    async def _launch(self, iteration: Iteration, mb: Microbatch, inputs: Tensor) -> None:
         plan = mb.planned
         key = MicrobatchKey(self.me, iteration.number, plan.microbatch)
         now = time.monotonic()
@@ -277,30 +250,30 @@ class DataNode(Node):
         elif not mb.done:
             mb.path = sent.path  # the first hop may have been re-routed
 
-    async def _abort_path(self, iteration: _Iteration, mb: _Microbatch, reason: str) -> None:
+    async def _abort_path(self, iteration: Iteration, mb: Microbatch, reason: str) -> None:
         """Tell every node on the microbatch's path to drop it."""
         await self.router.abort(
             self.spec.run_id, self.me, iteration.number, mb.planned.microbatch, mb.path, reason
         )
 
-    async def _lose(self, iteration: _Iteration, mb: _Microbatch, key: MicrobatchKey, reason: str) -> None:
+    async def _lose(self, iteration: Iteration, mb: Microbatch, key: MicrobatchKey, reason: str) -> None:
         logger.info("microbatch %s lost: %s", key, reason)
         await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
         mb.done = True
         iteration.check()
 
-    def _microbatch(self, message: Forward | Backward | Route) -> tuple[_Iteration, _Microbatch]:
+    def _microbatch(self, message: Forward | Backward | Route) -> tuple[Iteration, Microbatch]:
         iteration = self._current
         if message.path[0] != self.me or iteration is None or message.iteration != iteration.number:
-            raise _stale(message)
+            raise stale(message)
         mb = iteration.microbatches.get(message.microbatch)
         if mb is None or mb.done:
-            raise _stale(message)
+            raise stale(message)
         if message.nonce != mb.nonce:  # not from its path: answered as stale, so the sender learns nothing
             logger.warning(
                 "a %s for microbatch %d without its nonce: refused", message.KIND, message.microbatch
             )
-            raise _stale(message)
+            raise stale(message)
         return iteration, mb
 
     async def _on_forward(
@@ -313,7 +286,7 @@ class DataNode(Node):
         hidden = self._hop_tensor(peer, message, tensors)
         iteration, mb = self._microbatch(message)
         if mb.returned:
-            raise _stale(message)
+            raise stale(message)
         if tuple(hidden.shape[:2]) != tuple(mb.targets.shape):  # the sender may relay what it got: no ban
             raise Rejected(
                 ErrorCode.STALE, f"activations of shape {tuple(hidden.shape)} for {tuple(mb.targets.shape)}"
@@ -332,7 +305,7 @@ class DataNode(Node):
             self.routes_reported += 1
         return encode(Ack()), []
 
-    async def _head(self, iteration: _Iteration, mb: _Microbatch, message: Forward, hidden: Tensor) -> None:
+    async def _head(self, iteration: Iteration, mb: Microbatch, message: Forward, hidden: Tensor) -> None:
         key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
         if iteration.evaluation:
             mb.loss = await self.compute.submit(Priority.FORWARD, lambda: self._eval_loss(hidden, mb.targets))
@@ -365,7 +338,7 @@ class DataNode(Node):
         key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
         shape = self.worker.output_shape(key)
         if shape is None:  # dropped meanwhile (lost, or the iteration closed)
-            raise _stale(message)
+            raise stale(message)
         if shape != tuple(grad.shape):
             raise Rejected(
                 ErrorCode.MALFORMED, f"gradient of shape {tuple(grad.shape)} does not fit microbatch {key}"
@@ -373,7 +346,7 @@ class DataNode(Node):
         self.spawn(self._finish(iteration, mb, key, grad), "finish")
         return encode(Ack()), []
 
-    async def _finish(self, iteration: _Iteration, mb: _Microbatch, key: MicrobatchKey, grad: Tensor) -> None:
+    async def _finish(self, iteration: Iteration, mb: Microbatch, key: MicrobatchKey, grad: Tensor) -> None:
         def finish() -> bool:
             if iteration.closed or self.worker.output_shape(key) is None:  # lost meanwhile: no step's
                 return False
@@ -407,9 +380,3 @@ class DataNode(Node):
     def _eval_loss(self, hidden: Tensor, targets: Tensor) -> float:
         with torch.no_grad():
             return float(self.piece.loss(hidden.float(), targets))
-
-
-def _stale(message: Forward | Backward | Route) -> Rejected:
-    return Rejected(
-        ErrorCode.STALE, f"microbatch {message.microbatch} of iteration {message.iteration} is not pending"
-    )
