@@ -27,20 +27,12 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
-from hivemind.p2p import PeerID
 
 from protocols.errors import ProtocolError
 from protocols.messages import (
-    Error,
-    ErrorCode,
     NodeRecord,
     NodeState,
-    Rpc,
     StatePart,
-    StateRequest,
-    StateTransfer,
-    decode,
-    encode,
 )
 from swarmnode.data import Corpus, load_corpus, validation_set
 from swarmnode.datasource import cache_dir, default_source, user_source
@@ -51,6 +43,7 @@ from swarmnode.modeldir import load_pieces, read_model_folder, write_model_folde
 from swarmnode.node import state
 from swarmnode.node.events import emit
 from swarmnode.node.planning import Snapshot
+from swarmnode.node.recovery import DonorBusy, request_state
 from swarmnode.node.serving import STATE_SECONDS
 from swarmnode.pieces import DataPiece, build_piece
 from swarmnode.presets import get_preset
@@ -134,29 +127,19 @@ class Exporter:
             self.rng.shuffle(donors)
             for donor in donors:
                 try:
-                    header, tensors = await self._ask(donor, stage)
+                    parts = (StatePart.WEIGHTS,)
+                    header, tensors = await request_state(
+                        self.transport, self.spec.run_id, donor, stage, parts, STATE_SECONDS
+                    )
                     state.check_layout(reference, tensors, f"weights of stage {stage} from {donor[-8:]}")
                     return header.step, tensors
-                except (TransportError, ProtocolError, state.StateMismatch) as error:
+                except (TransportError, ProtocolError, state.StateMismatch, DonorBusy) as error:
                     logger.info("weights of stage %d from %s: %s", stage, donor[-8:], error)
             if time.monotonic() >= deadline:
                 why = "no online node" if not donors else f"none of its {len(donors)} online node(s) answered"
                 raise ExportError(f"stage {stage}: {why} provided its weights within {FETCH_WAIT_S:g} s")
             await asyncio.sleep(RETRY_S)
             await self.refresh()
-
-    async def _ask(self, peer: str, stage: int) -> tuple[StateTransfer, state.TensorMap]:
-        request = StateRequest(self.spec.run_id, stage, (StatePart.WEIGHTS,))
-        meta, tensors = await self.transport.call(
-            PeerID.from_base58(peer), Rpc.STATE, encode(request), [], timeout=STATE_SECONDS
-        )
-        header = decode(meta)
-        if isinstance(header, Error):
-            why = "busy" if header.code == ErrorCode.BUSY else "refused"
-            raise state.StateMismatch(f"{why}: {header.code}: {header.reason}")
-        if not isinstance(header, StateTransfer) or header.stage != stage:
-            raise state.StateMismatch(f"answered {type(header).__name__}, not the weights of stage {stage}")
-        return header, state.unpack(header.tensors, tensors)
 
     async def export(self, out: Path, tokenizer: Path) -> dict[str, Any]:
         """Fetch the model and write it to `out`; returns the metadata written with it."""

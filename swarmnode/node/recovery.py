@@ -91,14 +91,14 @@ class Joiner(Protocol):
     def load_rebuilt(self, rebuilt: state.TensorMap, plan: Recovery, step: int | None) -> None: ...
 
 
-async def fetch(
-    node: Joiner, peer: str, stage: int, parts: tuple[StatePart, ...]
+async def request_state(
+    transport: Transport, run_id: str, peer: str, stage: int, parts: tuple[StatePart, ...], timeout: float
 ) -> tuple[StateTransfer, state.TensorMap]:
-    """`parts` of `stage` from `peer`; its step and outer step must lie within the swarm's range
-    (`protocols.bounds.clock_problem`; the view is read again once before a donor is refused for it)."""
-    request = StateRequest(node.spec.run_id, stage, parts)
-    meta, tensors = await node.transport.call(
-        PeerID.from_base58(peer), Rpc.STATE, encode(request), [], timeout=FETCH_TIMEOUT_S
+    """Ask `peer` for `parts` of `stage`: the transfer's header and tensors, or DonorBusy (it serves others
+    now) or StateMismatch (it refused, or sent something else)."""
+    request = StateRequest(run_id, stage, parts)
+    meta, tensors = await transport.call(
+        PeerID.from_base58(peer), Rpc.STATE, encode(request), [], timeout=timeout
     )
     header = decode(meta)
     if isinstance(header, Error):
@@ -108,6 +108,17 @@ async def fetch(
         raise state.StateMismatch(f"{peer[-8:]} answered a {type(header).__name__}, not a state transfer")
     if header.stage != stage or set(header.parts) != set(parts):
         raise state.StateMismatch(f"asked stage {stage} {parts}, got stage {header.stage} {header.parts}")
+    return header, state.unpack(header.tensors, tensors)
+
+
+async def fetch(
+    node: Joiner, peer: str, stage: int, parts: tuple[StatePart, ...]
+) -> tuple[StateTransfer, state.TensorMap]:
+    """`parts` of `stage` from `peer`; its step and outer step must lie within the swarm's range
+    (`protocols.bounds.clock_problem`; the view is read again once before a donor is refused for it)."""
+    header, tensors = await request_state(
+        node.transport, node.spec.run_id, peer, stage, parts, FETCH_TIMEOUT_S
+    )
     for refreshed in (False, True):
         problem = clock_problem(
             header.step,
@@ -116,7 +127,7 @@ async def fetch(
             inner_steps=node.spec.noloco_inner_steps,
         )
         if problem is None:
-            return header, state.unpack(header.tensors, tensors)
+            return header, tensors
         if not refreshed:
             await node.refresh_snapshot()
     raise state.StateMismatch(f"{peer[-8:]} is out of the swarm's range: {problem}")
