@@ -15,6 +15,10 @@ Model (the reference code's cost model, made precise):
 - Iteration time: the moment the last embedding backward ends at its data node.
 
 A collision is a task arriving at a node that is busy or already has tasks waiting.
+
+With `fifo` a plainer model times the same paths: every node serves its tasks in arrival order (no
+priority for backward passes) and holds any number of microbatches. A plan's advantage should hold in
+both models, not only in the one it was optimised in.
 """
 
 from __future__ import annotations
@@ -27,8 +31,6 @@ from types import MappingProxyType
 
 from protocols.errors import LocalProtocolError
 from protocols.skippipe.swarm import SwarmView
-
-_ARRIVE, _FINISH, _DISPATCH = 0, 0, 1  # event priorities at equal times: arrivals/finishes, then dispatch
 
 
 @dataclass(frozen=True)
@@ -47,79 +49,94 @@ class SimResult:
         return sum(self.finish_s.values())
 
 
-@dataclass
-class _Node:
-    held: int = 0
-    busy: bool = False
-    dispatch_pending: bool = False
-
-
-def simulate(paths: Mapping[int, Sequence[int]], view: SwarmView, memory: int) -> SimResult:
+def simulate(
+    paths: Mapping[int, Sequence[int]], view: SwarmView, memory: int, *, fifo: bool = False
+) -> SimResult:
     """Run every microbatch along its path; see the module docstring for the model."""
-    if memory < 1:
-        raise LocalProtocolError(f"memory must be at least 1 microbatch, got {memory}")
-    tasks = {mb: _tasks(mb, path, view) for mb, path in paths.items()}
-    nodes = [_Node() for _ in range(view.n_nodes)]
-    waiting_back: list[list[tuple[float, int, int]]] = [[] for _ in nodes]
-    waiting_fwd: list[list[tuple[float, int, int]]] = [[] for _ in nodes]
-    events: list[tuple[float, int, int, int, int, int]] = []  # time, priority, seq, node, mb, step
-    seq = 0
-    for mb in sorted(tasks):
-        heapq.heappush(events, (0.0, _ARRIVE, seq, tasks[mb][0][0], mb, 0))
-        seq += 1
-    finish: dict[int, float] = {}
-    collisions = 0
-    queueing = 0.0
-    links = view.link_s
-    while events:
-        now, priority, _, node_id, mb, step = heapq.heappop(events)
-        node = nodes[node_id]
-        if priority == _DISPATCH:
-            node.dispatch_pending = False
-            if node.busy:
+    return Simulator(view, memory, fifo=fifo).run(paths)
+
+
+class Simulator:
+    """`simulate` for one view and memory that keeps each path's task chain for its next runs (a planner
+    times many plans that differ in a path or two)."""
+
+    def __init__(self, view: SwarmView, memory: int, *, fifo: bool = False) -> None:
+        if memory < 1:
+            raise LocalProtocolError(f"memory must be at least 1 microbatch, got {memory}")
+        self.view = view
+        self.memory = memory
+        self.fifo = fifo
+        self._chains: dict[tuple[int, tuple[int, ...]], list[tuple[int, bool, float, bool]]] = {}
+
+    def run(self, paths: Mapping[int, Sequence[int]]) -> SimResult:
+        """Simulate one iteration over `paths`."""
+        ids = sorted(paths)
+        chains = [self._chain(mb, paths[mb]) for mb in ids]
+        n, links, fifo = self.view.n_nodes, self.view.link_s, self.fifo
+        memory = len(ids) + 1 if fifo else self.memory
+        busy, pending, held = [False] * n, [False] * n, [0] * n
+        waiting_back: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]
+        waiting_fwd = waiting_back if fifo else [[] for _ in range(n)]
+        # (time, seq, node, microbatch index, step): step >= 0 arrives, -1 - step finishes
+        events = [(0.0, i, chains[i][0][0], i, 0) for i in range(len(ids))]
+        seq = len(events)
+        dispatch: list[int] = []  # nodes to serve at `now` in request order, once no event is left at `now`
+        finish = [math.inf] * len(ids)
+        collisions, queueing, now = 0, 0.0, 0.0
+        push, pop = heapq.heappush, heapq.heappop
+        while events or dispatch:
+            if events and (not dispatch or events[0][0] == now):
+                now, _, node, i, step = pop(events)
+                if step >= 0:
+                    if busy[node] or waiting_back[node] or waiting_fwd[node]:
+                        collisions += 1
+                    push(waiting_fwd[node] if chains[i][step][1] else waiting_back[node], (now, i, step))
+                    if busy[node]:
+                        continue
+                else:
+                    step = -1 - step
+                    busy[node] = False
+                    chain = chains[i]
+                    if chain[step][3]:  # a backward pass frees its memory slot
+                        held[node] -= 1
+                    if step + 1 == len(chain):
+                        finish[i] = now
+                    else:
+                        nxt = chain[step + 1][0]
+                        push(events, (now + links[node][nxt], seq, nxt, i, step + 1))
+                        seq += 1
+                if not pending[node]:
+                    pending[node] = True
+                    dispatch.append(node)
                 continue
-            if waiting_back[node_id]:
-                ready, mb, step = heapq.heappop(waiting_back[node_id])
-            elif waiting_fwd[node_id] and node.held < memory:
-                ready, mb, step = heapq.heappop(waiting_fwd[node_id])
-                node.held += 1
+            node = dispatch.pop(0)
+            pending[node] = False
+            if busy[node]:
+                continue
+            back, fwd = waiting_back[node], waiting_fwd[node]
+            if back and not fifo:
+                ready, i, step = pop(back)
+            elif fwd and held[node] < memory:
+                ready, i, step = pop(fwd)
+                if chains[i][step][1]:
+                    held[node] += 1
             else:
                 continue
             queueing += now - ready
-            node.busy = True
-            heapq.heappush(events, (now + tasks[mb][step][2], _FINISH, seq, node_id, mb, -1 - step))
+            busy[node] = True
+            push(events, (now + chains[i][step][2], seq, node, i, -1 - step))
             seq += 1
-        elif step >= 0:  # a task arrives
-            if node.busy or waiting_back[node_id] or waiting_fwd[node_id]:
-                collisions += 1
-            queue = waiting_fwd[node_id] if tasks[mb][step][1] else waiting_back[node_id]
-            heapq.heappush(queue, (now, mb, step))
-            seq = _request_dispatch(events, nodes, node_id, now, seq)
-        else:  # a task finishes
-            step = -1 - step
-            node.busy = False
-            chain = tasks[mb]
-            if chain[step][3]:  # a backward pass frees its memory slot
-                node.held -= 1
-            if step + 1 == len(chain):
-                finish[mb] = now
-            else:
-                nxt = chain[step + 1][0]
-                heapq.heappush(events, (now + links[node_id][nxt], _ARRIVE, seq, nxt, mb, step + 1))
-                seq += 1
-            seq = _request_dispatch(events, nodes, node_id, now, seq)
-    stuck = tuple(sorted(set(tasks) - set(finish)))
-    iteration = math.inf if stuck else max(finish.values(), default=0.0)
-    return SimResult(iteration, MappingProxyType(finish), collisions, queueing, stuck)
+        stuck = tuple(mb for mb, end in zip(ids, finish, strict=True) if end == math.inf)
+        iteration = math.inf if stuck else max(finish, default=0.0)
+        finish_s = {mb: end for mb, end in zip(ids, finish, strict=True) if end != math.inf}
+        return SimResult(iteration, MappingProxyType(finish_s), collisions, queueing, stuck)
 
-
-def _request_dispatch(events: list, nodes: list[_Node], node_id: int, now: float, seq: int) -> int:
-    node = nodes[node_id]
-    if not node.busy and not node.dispatch_pending:
-        node.dispatch_pending = True
-        heapq.heappush(events, (now, _DISPATCH, seq, node_id, -1, 0))
-        return seq + 1
-    return seq
+    def _chain(self, mb: int, path: Sequence[int]) -> list[tuple[int, bool, float, bool]]:
+        key = (mb, tuple(path))
+        chain = self._chains.get(key)
+        if chain is None:
+            chain = self._chains[key] = _tasks(mb, path, self.view)
+        return chain
 
 
 def _tasks(mb: int, path: Sequence[int], view: SwarmView) -> list[tuple[int, bool, float, bool]]:
