@@ -6,13 +6,15 @@ node serves it with trained weights (a node that is itself being rebuilt does no
 may hold a copy of E and nodes of stage s a copy of E' (CheckFree+).
 
 `plan_recovery` / `plan_recoveries` decide how each stage is (re)built; `average_neighbours`,
-`copy_partner` and `restore_embeddings` compute the new weights. State dicts must be keyed by names
-relative to the stage (the k-th layer of every stage under the same names), so that neighbours match key
-by key; stages with different layouts cannot be averaged or copied and raise LocalProtocolError.
+`copy_partner` and `restore_embeddings` compute the new weights, and `reinit_seed` seeds a re-initialised
+stage's fresh ones. State dicts must be keyed by names relative to the stage (the k-th layer of every stage
+under the same names), so that neighbours match key by key; stages with different layouts cannot be
+averaged or copied and raise LocalProtocolError.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -41,6 +43,13 @@ def swaps_edge_pairs(num_stages: int, iteration: int, microbatch: int) -> bool:
     return num_stages >= SWAP_MIN_STAGES and (iteration + microbatch) % 2 == 1
 
 
+def edge_swaps_run(num_stages: int, checkfree_plus: bool) -> bool:
+    """Whether a run swaps its edge pairs at all: CheckFree+ on and at least `SWAP_MIN_STAGES` transformer
+    stages. Such a run swaps every other microbatch of every iteration (`swaps_edge_pairs`), so stage 2
+    (stage s-1) trains in stage 1's (stage s's) place throughout; any other run never swaps."""
+    return checkfree_plus and num_stages >= SWAP_MIN_STAGES
+
+
 def swap_edge_pairs(stages: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
     """The positions of a path's stage hops in CheckFree+ order: (1, 2) at its start becomes (2, 1) and
     (s-1, s) at its end becomes (s, s-1), where the path visits them one after the other."""
@@ -56,7 +65,9 @@ class Method(StrEnum):
     """How a stage's weights are obtained."""
 
     REPLICA = "replica"  # a live replica of the stage exists: ordinary state transfer
-    CHECKFREE = "checkfree"  # middle stage: gradient-norm weighted average of both neighbours
+    # middle stage: gradient-norm weighted average of both neighbours; an edge stage whose edge swap never
+    # ran: the same average over the one transformer neighbour it has, that is a copy of that neighbour
+    CHECKFREE = "checkfree"
     CHECKFREE_PLUS_COPY = "checkfree_plus_copy"  # stage 1 / stage s: copy of its swap partner
     EMBEDDING_COPY = "embedding_copy"  # stage 0: E from stage 1's copy, E' from stage s's copy
     REINIT = "reinit"  # nothing to rebuild from: fresh random weights
@@ -86,20 +97,29 @@ def plan_recovery(
     num_stages: int,
     alive: Collection[int],
     checkfree_plus: bool,
+    swaps_ran: bool,
     embedding_copy_held: bool,
     head_copy_held: bool,
     lr_factor: float = DEFAULT_LR_FACTOR,
 ) -> Recovery:
     """How `stage` gets its weights, given which stages are alive.
 
-    `num_stages` is s, the number of transformer stages. `embedding_copy_held` / `head_copy_held`: a live
-    node of stage 1 holds a copy of E / of stage s holds a copy of E' (only counted while that stage is
-    alive). Rebuilt transformer stages reset the optimizer and scale the learning rate by `lr_factor`;
-    restored embeddings are exact copies, so they reset the optimizer (copies carry none) at lr factor 1;
-    reinitialised stages reset it at lr factor 1.
+    `num_stages` is s, the number of transformer stages. `swaps_ran`: the edge pairs ran swapped in the
+    run's recent iterations, so stage 2 (stage s-1) trained in stage 1's (stage s's) place; it cannot be
+    true without CheckFree+ or in a model too small to swap (`edge_swaps_run`). `embedding_copy_held` /
+    `head_copy_held`: a live node of stage 1 holds a copy of E / of stage s holds a copy of E' (only
+    counted while that stage is alive). Rebuilt transformer stages reset the optimizer and scale the
+    learning rate by `lr_factor`; restored embeddings are exact copies, so they reset the optimizer (copies
+    carry none) at lr factor 1; reinitialised stages reset it at lr factor 1.
+
+    A lost edge stage is a copy of its swap partner only when `swaps_ran`. Otherwise it is CheckFree's
+    average over its one transformer neighbour, which is a copy of that neighbour, said so: the paper ranks
+    a neighbour's copy above fresh weights (spec/checkfree.md, ablations), and so does a measurement on the
+    3-stage tiny model (docs/design.md).
     """
     s, live = num_stages, set(alive)
     _check_plan_args(num_stages, (stage, *live), lr_factor)
+    _check_swaps(num_stages, checkfree_plus, swaps_ran)
 
     def plan(method: Method, sources: tuple[int, ...], reason: str) -> Recovery:
         fresh = method is not Method.REPLICA
@@ -131,13 +151,31 @@ def plan_recovery(
         return reinit("it is the only transformer stage, so it has no neighbour to rebuild from")
 
     if stage in (1, s):
-        partner = 2 if stage == 1 else s - 1
+        neighbour = 2 if stage == 1 else s - 1
+        if swaps_ran:
+            if neighbour not in live:
+                return reinit(f"its swap partner, stage {neighbour}, is lost too (two adjacent stages lost)")
+            return plan(
+                Method.CHECKFREE_PLUS_COPY,
+                (neighbour,),
+                f"stage {stage} rebuilt as a copy of stage {neighbour}, its CheckFree+ swap partner",
+            )
         if not checkfree_plus:
-            return reinit("it is an edge stage and CheckFree+ is off (only CheckFree+ can rebuild it)")
-        if partner not in live:
-            return reinit(f"its swap partner, stage {partner}, is lost too (two adjacent stages lost)")
+            no_swap = "CheckFree+ is off"
+        else:
+            no_swap = (
+                f"a model of {s} transformer stages never swaps (CheckFree+ swaps need {SWAP_MIN_STAGES})"
+            )
+        if neighbour not in live:
+            return reinit(
+                f"its only transformer neighbour, stage {neighbour}, is lost too (two adjacent stages lost)"
+            )
         return plan(
-            Method.CHECKFREE_PLUS_COPY, (partner,), f"stage {stage} rebuilt as a copy of stage {partner}"
+            Method.CHECKFREE,
+            (neighbour,),
+            f"stage {stage} rebuilt as a copy of stage {neighbour}, its only transformer neighbour (no edge "
+            f"swap ran: {no_swap}, so stage {neighbour} never trained in its place; a neighbour's copy "
+            "beats fresh weights)",
         )
 
     lost_neighbours = [k for k in (stage - 1, stage + 1) if k not in live]
@@ -156,6 +194,7 @@ def plan_recoveries(
     num_stages: int,
     alive: Collection[int],
     checkfree_plus: bool,
+    swaps_ran: bool,
     embedding_copy_held: bool,
     head_copy_held: bool,
     lr_factor: float = DEFAULT_LR_FACTOR,
@@ -171,11 +210,23 @@ def plan_recoveries(
                 num_stages=num_stages,
                 alive=live,
                 checkfree_plus=checkfree_plus,
+                swaps_ran=swaps_ran,
                 embedding_copy_held=embedding_copy_held,
                 head_copy_held=head_copy_held,
                 lr_factor=lr_factor,
             )
     return plans
+
+
+def reinit_seed(run_seed: int, stage: int, step: int) -> int:
+    """The seed of the fresh weights of `stage` re-initialised at swarm step `step`: a 63-bit hash of the
+    run's seed, the stage and the step, so not the run's seed (whose step-0 weights every node of a fresh
+    swarm starts from). Replicas re-initialised at the same step draw the same weights."""
+    values = (run_seed, stage, step)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values) or stage < 0 or step < 0:
+        raise LocalProtocolError(f"invalid re-initialisation seed query {values!r}")
+    digest = hashlib.sha256(f"swarmnode/reinit/{run_seed}/{stage}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def average_neighbours(
@@ -214,7 +265,8 @@ def average_neighbours(
 
 
 def copy_partner(partner: TensorMap) -> dict[str, Any]:
-    """CheckFree+: stage 1 (stage s) becomes a copy of its swap partner stage 2 (stage s-1)."""
+    """Stage 1 (stage s) becomes a copy of stage 2 (stage s-1): its CheckFree+ swap partner, or, where no
+    swap ran, its only transformer neighbour (CheckFree's average over one neighbour)."""
     _check_finite(("swap partner", partner))
     return dict(partner)
 
@@ -245,6 +297,17 @@ def _check_plan_args(num_stages: int, stages: Collection[int], lr_factor: float)
     for k in stages:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= num_stages:
             raise LocalProtocolError(f"stage {k!r} is not in 0..{num_stages}")
+
+
+def _check_swaps(num_stages: int, checkfree_plus: bool, swaps_ran: bool) -> None:
+    if not isinstance(checkfree_plus, bool) or not isinstance(swaps_ran, bool):
+        raise LocalProtocolError(
+            f"checkfree_plus and swaps_ran must be bools, got {checkfree_plus!r}, {swaps_ran!r}"
+        )
+    if swaps_ran and not edge_swaps_run(num_stages, checkfree_plus):
+        raise LocalProtocolError(
+            f"no edge swap can have run: CheckFree+ {'on' if checkfree_plus else 'off'}, {num_stages} stages"
+        )
 
 
 def _check_finite(*labelled: tuple[str, TensorMap]) -> None:

@@ -87,10 +87,11 @@ def load_dump(folder: Path, stage: int) -> dict[str, Any]:
     return torch.load(files[0])
 
 
-def initial_weights(stage: int, vocab_size: int) -> dict[str, torch.Tensor]:
-    """The run's seeded initial weights of `stage` (what every node starts from before training)."""
+def initial_weights(stage: int, vocab_size: int, seed: int = SPEC.seed) -> dict[str, torch.Tensor]:
+    """The weights of `stage` drawn from `seed`: by default the run's seeded initial weights (what every node
+    starts from before training)."""
     config = replace(get_preset(SPEC.preset).model, vocab_size=vocab_size)
-    piece = build_piece(config, stage, SPEC.stages, SPEC.seed)
+    piece = build_piece(config, stage, SPEC.stages, seed)
     return {name: p.detach() for name, p in piece.named_parameters()}
 
 

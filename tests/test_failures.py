@@ -7,12 +7,16 @@ DHT process and p2pd die together, as on a lost machine), starts replacements wi
 
 - a lost middle stage is rebuilt by CheckFree: the loaded weights are the gradient-norm weighted average of
   the neighbours' weights the new node fetched (its dumped evidence), which are trained weights;
-- a lost first / last stage is a copy of its CheckFree+ swap partner (stage 2), exactly;
+- a lost first / last stage of this 3-stage model is an exact copy of stage 2, its only transformer
+  neighbour, and says that no CheckFree+ swap ran (a model of 3 stages never swaps): CheckFree over one
+  neighbour, not a swap partner's copy (that choice, for models that swap, is tested in
+  tests/protocols/test_checkfree.py);
 - a lost data stage is restored exactly from the copies of E (stage 1) and E' (last stage);
 - one of two replicas killed: no iteration waits past the iteration timeout, and the data node's counts of
   lost microbatches add up (lost + completed == planned, per iteration and in total);
 - two adjacent stages lost: the replacements say plainly that CheckFree cannot rebuild them and re-initialise
-  (`reinit`), nothing hangs, training goes on.
+  (`reinit`) through the same load as a rebuild: fresh weights drawn from `reinit_seed` (not the run's step-0
+  weights) at the swarm's step (no warm-up again); nothing hangs, training goes on.
 
 The runs are long (`--steps` far beyond what a test waits for): each test stops its swarm once it has seen
 what it needs, so a slow machine costs time, not a run that ends before the replacement is online.
@@ -41,6 +45,7 @@ from failure_scenarios import (
     assert_trained,
     failure_swarm,
     initial_loss,
+    initial_weights,
     join_auto,
     kill,
     load_dump,
@@ -52,6 +57,8 @@ from failure_scenarios import (
     wait_steps_through,
 )
 from swarm_harness import HarnessError, LocalTestSwarm, poll
+
+from protocols.checkfree import reinit_seed
 
 pytestmark = pytest.mark.integration
 
@@ -106,7 +113,7 @@ def test_lost_middle_stage_is_rebuilt_by_checkfree(swarm: LocalTestSwarm) -> Non
 
 
 @pytest.mark.timeout(300)
-def test_lost_edge_stages_are_copies_of_their_swap_partner(swarm: LocalTestSwarm) -> None:
+def test_lost_edge_stages_are_copies_of_their_only_neighbour(swarm: LocalTestSwarm) -> None:
     data, (stage1, _, stage3) = start_swarm(swarm, [1, 2, 3])
     wait_step(data, 8)
     killed_first = None
@@ -117,8 +124,12 @@ def test_lost_edge_stages_are_copies_of_their_swap_partner(swarm: LocalTestSwarm
         new = join_auto(swarm, f"new{stage}", dump)
         recovered, online = wait_recovered(swarm, new)
 
-        assert recovered["stage"] == stage and recovered["method"] == "checkfree_plus_copy", recovered
-        assert recovered["reason"] == f"stage {stage} rebuilt as a copy of stage 2"
+        assert recovered["stage"] == stage and recovered["method"] == "checkfree", recovered
+        reason = recovered["reason"]
+        assert reason.startswith(
+            f"stage {stage} rebuilt as a copy of stage 2, its only transformer neighbour"
+        )
+        assert "a model of 3 transformer stages never swaps" in reason, reason
         evidence = load_dump(dump, stage)
         [source] = evidence["sources"]
         assert source["stage"] == 2 and source["step"] > 0
@@ -130,7 +141,7 @@ def test_lost_edge_stages_are_copies_of_their_swap_partner(swarm: LocalTestSwarm
         assert_skipped_meanwhile(data, stage, killed, recovered["time"])
         wait_steps_through(data, stage, online["time"], 6)
         record = record_of(swarm, stage, online["peer_id"])
-        assert record["step"] > source["step"] and record["recovery"]["method"] == "checkfree_plus_copy"
+        assert record["step"] > source["step"] and record["recovery"]["method"] == "checkfree"
     assert killed_first is not None
     assert_learning(data, killed_first)
 
@@ -275,6 +286,21 @@ def test_two_adjacent_stages_lost_are_reinitialised(swarm: LocalTestSwarm) -> No
     for e in recovered:
         if e["method"] == "reinit":
             assert "cannot be rebuilt" in e["reason"] and "lost too" in e["reason"], e
+    # each re-initialised stage went through the rebuild's load: the swarm's step, not 0 (no second warm-up),
+    # and fresh weights drawn from the run's seed, the stage and that step, not the run's step-0 weights
+    before_kill = max(e["step"] for e in data.events("step") if e["time"] < killed)
+    for stage in (1, 2):
+        evidence = load_dump(dump, stage)
+        assert evidence["method"] == "reinit" and evidence["sources"] == [], evidence["method"]
+        assert evidence["step"] >= before_kill - 2, (evidence["step"], before_kill)
+        assert evidence["seed"] == reinit_seed(SPEC.seed, stage, evidence["step"])
+        fresh = initial_weights(stage, SPEC.vocab_size, evidence["seed"])
+        step0 = initial_weights(stage, SPEC.vocab_size)
+        assert set(evidence["loaded"]) == set(fresh)
+        for name, tensor in evidence["loaded"].items():
+            assert torch.equal(tensor, fresh[name]), name
+        differ = [n for n, t in evidence["loaded"].items() if not torch.equal(t, step0[n])]
+        assert len(differ) >= len(step0) // 2, differ  # every matrix differs; RMSNorm scales are 1 in both
 
     # training went on (without the lost stages), then through both new stages, with finite losses
     assert_skipped_meanwhile(data, first["stage"], killed, first["time"])
@@ -283,3 +309,6 @@ def test_two_adjacent_stages_lost_are_reinitialised(swarm: LocalTestSwarm) -> No
     wait_steps_through(data, 2, online, 6)
     losses = [e["loss"] for e in data.events("step")]
     assert all(math.isfinite(x) for x in losses), losses
+    for stage, e in back.items():
+        record = record_of(swarm, stage, e["peer_id"])
+        assert record["step"] > load_dump(dump, stage)["step"], record  # on from the swarm's step

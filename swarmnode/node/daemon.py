@@ -314,13 +314,13 @@ class Node:
         self.optimizer.last_grad_norm = header.grad_norm
         self.optimizer.lr_factor = replica_lr_factor(header.lr_factor)
 
-    def load_rebuilt(self, rebuilt: state.TensorMap, plan: Recovery, step: int | None) -> None:
-        """On the compute thread: load rebuilt weights; fresh optimizer with the plan's lr factor."""
+    def load_rebuilt(self, rebuilt: state.TensorMap, plan: Recovery, step: int) -> None:
+        """On the compute thread: load rebuilt (or, for `reinit`, freshly drawn) weights; fresh optimizer
+        with the plan's lr factor; the schedule at the swarm's `step`, so no warm-up again."""
         state.load_weights(self.piece, rebuilt)
         if plan.reset_optimizer:
             self.optimizer.reset(plan.lr_factor)
-        if step is not None:
-            self.optimizer.step_count = step
+        self.optimizer.step_count = step
         self.outer.phi, self.outer.delta = state.weights(self.piece), None
 
     async def refresh_copies(self) -> None:

@@ -27,7 +27,9 @@ from protocols.checkfree import (
     Recovery,
     average_neighbours,
     copy_partner,
+    edge_swaps_run,
     plan_recovery,
+    reinit_seed,
     restore_embeddings,
 )
 from protocols.errors import ProtocolError
@@ -42,12 +44,14 @@ from protocols.messages import (
     decode,
     encode,
 )
+from swarmnode.model import ModelConfig
 from swarmnode.node import state
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
 from swarmnode.node.liveness import live_peers, trained_peers
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.serving import STATE_SECONDS
+from swarmnode.pieces import build_piece
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Transport, TransportError
 
@@ -68,10 +72,11 @@ class DonorBusy(Exception):
 
 
 class Joiner(Protocol):
-    """What recovery needs of the node that joins: its run, stage and identity, the transport and compute
-    queue, its view of the swarm, and the two ways to load state (as a replica, or rebuilt)."""
+    """What recovery needs of the node that joins: its run, model, stage and identity, the transport and
+    compute queue, its view of the swarm, and the two ways to load state (as a replica, or rebuilt)."""
 
     spec: RunSpec
+    model_config: ModelConfig
     stage: int
     me: str
     transport: Transport
@@ -88,7 +93,7 @@ class Joiner(Protocol):
 
     def load_replica(self, header: StateTransfer, received: state.TensorMap) -> None: ...
 
-    def load_rebuilt(self, rebuilt: state.TensorMap, plan: Recovery, step: int | None) -> None: ...
+    def load_rebuilt(self, rebuilt: state.TensorMap, plan: Recovery, step: int) -> None: ...
 
 
 async def request_state(
@@ -195,6 +200,7 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
         num_stages=spec.stages,
         alive=alive,
         checkfree_plus=spec.checkfree_plus,
+        swaps_ran=edge_swaps_run(spec.stages, spec.checkfree_plus),
         embedding_copy_held=holders[StatePart.EMBEDDING_COPY],
         head_copy_held=holders[StatePart.HEAD_COPY],
     )
@@ -204,7 +210,7 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
         await node.compute.submit(Priority.STEP, lambda: node.load_replica(header, tensors))
         return plan, {"sources": [_evidence(header, tensors)], "loaded": tensors}
     if plan.method == Method.REINIT:
-        return plan, {"sources": [], "loaded": {}}
+        return plan, await reinitialise(node, plan)
     if plan.method == Method.EMBEDDING_COPY:
         embedding_header, embedding = await fetch_any(node, plan.sources[0], (StatePart.EMBEDDING_COPY,))
         head_header, head = await fetch_any(node, plan.sources[1], (StatePart.HEAD_COPY,))
@@ -217,14 +223,30 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
         evidence = [_evidence(embedding_header, embedding), _evidence(head_header, head)]
         return plan, {"sources": evidence, "loaded": restored}
     sources = [await fetch_any(node, source, (StatePart.WEIGHTS,)) for source in plan.sources]
-    if plan.method == Method.CHECKFREE:
+    if len(sources) == 2:
         (prev_header, prev), (next_header, following) = sources
         rebuilt = average_neighbours(prev, following, prev_header.grad_norm, next_header.grad_norm)
-    else:
+    else:  # an edge stage: a copy of its swap partner, or of its only neighbour where no swap ran
         rebuilt = copy_partner(sources[0][1])
     step = max(header.step for header, _ in sources)
     await node.compute.submit(Priority.STEP, lambda: node.load_rebuilt(rebuilt, plan, step=step))
     return plan, {"sources": [_evidence(header, tensors) for header, tensors in sources], "loaded": rebuilt}
+
+
+async def reinitialise(node: Joiner, plan: Recovery) -> dict[str, Any]:
+    """A `reinit`, loaded like every rebuild (`load_rebuilt`: fresh optimizer, the swarm's step): weights
+    drawn from `reinit_seed` of the run's seed, the stage and the swarm clock, so neither the run's step-0
+    weights nor a restarted warm-up. Returns the evidence (no sources, what was loaded, step and seed)."""
+    step = swarm_clock(node.snapshot)
+    seed = reinit_seed(node.spec.seed, node.stage, step)
+
+    def load() -> state.TensorMap:
+        fresh = state.weights(build_piece(node.model_config, node.stage, node.spec.stages, seed))
+        node.load_rebuilt(fresh, plan, step=step)
+        return fresh
+
+    loaded = await node.compute.submit(Priority.STEP, load)
+    return {"sources": [], "loaded": loaded, "step": step, "seed": seed}
 
 
 def _evidence(header: StateTransfer, tensors: state.TensorMap) -> dict[str, Any]:
@@ -249,8 +271,8 @@ async def recover(node: Joiner) -> tuple[str, float] | None:
             await node.refresh_snapshot()
     else:
         why = f"stage {node.stage} could not be recovered in {RECOVERY_ATTEMPTS} attempts; re-initialising it"
-        logger.warning("%s", why)
-        outcome = (Recovery(node.stage, Method.REINIT, (), True, 1.0, why), {"sources": [], "loaded": {}})
+        plan = Recovery(node.stage, Method.REINIT, (), True, 1.0, why)
+        outcome = (plan, await reinitialise(node, plan))
     if outcome is None:
         return None
     plan, evidence = outcome

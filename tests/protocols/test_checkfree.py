@@ -14,8 +14,10 @@ from protocols.checkfree import (
     Recovery,
     average_neighbours,
     copy_partner,
+    edge_swaps_run,
     plan_recoveries,
     plan_recovery,
+    reinit_seed,
     restore_embeddings,
     swap_edge_pairs,
     swaps_edge_pairs,
@@ -113,10 +115,23 @@ CF, CFP, EMB, RE, REP = (
 )
 
 
-def decide(s: int, lost: set[int], plus: bool = True, e_copy: bool = True, head_copy: bool = True) -> dict:
+def decide(
+    s: int,
+    lost: set[int],
+    plus: bool = True,
+    e_copy: bool = True,
+    head_copy: bool = True,
+    swaps: bool | None = None,
+) -> dict:
+    """The plans' (method, sources); `swaps` defaults to what the runtime passes (`edge_swaps_run`)."""
     alive = set(range(s + 1)) - lost
     plans = plan_recoveries(
-        num_stages=s, alive=alive, checkfree_plus=plus, embedding_copy_held=e_copy, head_copy_held=head_copy
+        num_stages=s,
+        alive=alive,
+        checkfree_plus=plus,
+        swaps_ran=edge_swaps_run(s, plus) if swaps is None else swaps,
+        embedding_copy_held=e_copy,
+        head_copy_held=head_copy,
     )
     assert set(plans) == lost
     return {k: (p.method, p.sources) for k, p in plans.items()}
@@ -129,22 +144,24 @@ def decide(s: int, lost: set[int], plus: bool = True, e_copy: bool = True, head_
         (4, {2}, True, {2: (CF, (1, 3))}),
         (4, {3}, False, {3: (CF, (2, 4))}),
         (3, {2}, False, {2: (CF, (1, 3))}),
-        # edge stages: copy of the swap partner with CheckFree+, nothing without it
+        # edge stages: a copy of the swap partner where the swaps ran (CheckFree+, 4 stages or more)...
         (4, {1}, True, {1: (CFP, (2,))}),
         (4, {4}, True, {4: (CFP, (3,))}),
-        (4, {1}, False, {1: (RE, ())}),
-        (4, {4}, False, {4: (RE, ())}),
-        (3, {1, 3}, True, {1: (CFP, (2,)), 3: (CFP, (2,))}),
+        # ...else CheckFree over the one transformer neighbour (a copy of it, but not a swap partner's)
+        (4, {1}, False, {1: (CF, (2,))}),
+        (4, {4}, False, {4: (CF, (3,))}),
+        (3, {1, 3}, True, {1: (CF, (2,)), 3: (CF, (2,))}),
+        (3, {3}, False, {3: (CF, (2,))}),
         # two adjacent stages lost: neither can be rebuilt
         (4, {2, 3}, True, {2: (RE, ()), 3: (RE, ())}),
         (4, {1, 2}, True, {1: (RE, ()), 2: (RE, ())}),
         (4, {3, 4}, True, {3: (RE, ()), 4: (RE, ())}),
         # non-adjacent losses are independent
         (5, {2, 4}, True, {2: (CF, (1, 3)), 4: (CF, (3, 5))}),
-        # s = 2: stages 1 and 2 are each other's swap partner
-        (2, {1}, True, {1: (CFP, (2,))}),
-        (2, {2}, True, {2: (CFP, (1,))}),
-        (2, {1}, False, {1: (RE, ())}),
+        # s = 2: stages 1 and 2 are each other's only neighbour, and never swap
+        (2, {1}, True, {1: (CF, (2,))}),
+        (2, {2}, True, {2: (CF, (1,))}),
+        (2, {1}, False, {1: (CF, (2,))}),
         (2, {1, 2}, True, {1: (RE, ()), 2: (RE, ())}),
         # s = 1: the only transformer stage has no neighbour
         (1, {1}, True, {1: (RE, ())}),
@@ -154,6 +171,7 @@ def decide(s: int, lost: set[int], plus: bool = True, e_copy: bool = True, head_
         (4, {0, 2}, True, {0: (EMB, (1, 4)), 2: (CF, (1, 3))}),
         (4, {0, 1}, True, {0: (RE, ()), 1: (CFP, (2,))}),  # the copy of E died with stage 1
         (4, {0, 4}, True, {0: (RE, ()), 4: (CFP, (3,))}),
+        (3, {0, 3}, True, {0: (RE, ()), 3: (CF, (2,))}),
         (1, {0, 1}, True, {0: (RE, ()), 1: (RE, ())}),
         # nothing lost, nothing to do
         (3, set(), True, {}),
@@ -167,7 +185,12 @@ def test_missing_copies_mean_reinit_of_the_data_stage() -> None:
     assert decide(3, {0}, e_copy=False) == {0: (RE, ())}
     assert decide(3, {0}, head_copy=False) == {0: (RE, ())}
     reason = plan_recoveries(
-        num_stages=3, alive={2, 3}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=False
+        num_stages=3,
+        alive={2, 3},
+        checkfree_plus=True,
+        swaps_ran=False,
+        embedding_copy_held=True,
+        head_copy_held=False,
     )[0].reason
     assert "stage 1, which holds the copy of E, is lost too" in reason
     assert "no live node of stage 3 holds a copy of E'" in reason
@@ -175,12 +198,34 @@ def test_missing_copies_mean_reinit_of_the_data_stage() -> None:
 
 def test_plans_carry_the_optimizer_rule() -> None:
     plans = plan_recoveries(
-        num_stages=5, alive={0, 2, 3, 5}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=True
+        num_stages=5,
+        alive={0, 2, 3, 5},
+        checkfree_plus=True,
+        swaps_ran=True,
+        embedding_copy_held=True,
+        head_copy_held=True,
     )
     assert plans[1] == Recovery(1, CFP, (2,), True, DEFAULT_LR_FACTOR, plans[1].reason)
     assert plans[4].method is CF and plans[4].reset_optimizer and plans[4].lr_factor == 1.1
+    # an edge stage copied from its only neighbour is a CheckFree rebuild: fresh optimizer, lr x 1.1
+    neighbour = plan_recovery(
+        3,
+        num_stages=3,
+        alive={0, 1, 2},
+        checkfree_plus=True,
+        swaps_ran=False,
+        embedding_copy_held=True,
+        head_copy_held=True,
+    )
+    assert neighbour == Recovery(3, CF, (2,), True, DEFAULT_LR_FACTOR, neighbour.reason)
     restored = plan_recovery(
-        0, num_stages=2, alive={1, 2}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=True
+        0,
+        num_stages=2,
+        alive={1, 2},
+        checkfree_plus=True,
+        swaps_ran=False,
+        embedding_copy_held=True,
+        head_copy_held=True,
     )
     assert restored.reset_optimizer and restored.lr_factor == 1.0
     custom = plan_recovery(
@@ -188,6 +233,7 @@ def test_plans_carry_the_optimizer_rule() -> None:
         num_stages=3,
         alive={1, 3},
         checkfree_plus=False,
+        swaps_ran=False,
         embedding_copy_held=False,
         head_copy_held=False,
         lr_factor=1.2,
@@ -201,6 +247,7 @@ def test_joining_a_live_stage_is_a_replica_transfer() -> None:
         num_stages=3,
         alive={0, 1, 2, 3},
         checkfree_plus=False,
+        swaps_ran=False,
         embedding_copy_held=False,
         head_copy_held=False,
     )
@@ -209,16 +256,91 @@ def test_joining_a_live_stage_is_a_replica_transfer() -> None:
 
 def test_reasons_are_plain() -> None:
     plans = plan_recoveries(
-        num_stages=4, alive={0, 1, 4}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=True
+        num_stages=4,
+        alive={0, 1, 4},
+        checkfree_plus=True,
+        swaps_ran=True,
+        embedding_copy_held=True,
+        head_copy_held=True,
     )
     assert plans[2].reason == (
         "stage 2 cannot be rebuilt: its neighbour stage 3 is lost too (adjacent stages lost); "
         "re-initialising it"
     )
-    edge = plan_recovery(
-        1, num_stages=4, alive={0, 2}, checkfree_plus=False, embedding_copy_held=True, head_copy_held=True
+
+
+def edge_plan(stage: int, s: int, alive: set[int], plus: bool, swaps: bool) -> Recovery:
+    return plan_recovery(
+        stage,
+        num_stages=s,
+        alive=alive,
+        checkfree_plus=plus,
+        swaps_ran=swaps,
+        embedding_copy_held=True,
+        head_copy_held=True,
     )
-    assert "CheckFree+ is off" in edge.reason
+
+
+def test_an_edge_stage_is_a_swap_partner_copy_only_where_the_swaps_ran() -> None:
+    swapped = edge_plan(4, 4, {0, 1, 2, 3}, plus=True, swaps=True)
+    assert (swapped.method, swapped.sources) == (CFP, (3,))
+    assert swapped.reason == "stage 4 rebuilt as a copy of stage 3, its CheckFree+ swap partner"
+    # CheckFree+ on and 4 stages, but the swaps did not run (the caller knows none ran lately): no such copy
+    unswapped = edge_plan(4, 4, {0, 1, 2, 3}, plus=True, swaps=False)
+    assert (unswapped.method, unswapped.sources) == (CF, (3,))
+    assert "its only transformer neighbour" in unswapped.reason
+    assert "swap partner" not in unswapped.reason
+
+
+def test_edge_reasons_say_what_was_chosen_and_why() -> None:
+    three = edge_plan(3, 3, {0, 1, 2}, plus=True, swaps=False).reason
+    assert three.startswith("stage 3 rebuilt as a copy of stage 2, its only transformer neighbour")
+    assert "a model of 3 transformer stages never swaps" in three
+    assert "stage 2 never trained in its place" in three
+    off = edge_plan(1, 4, {0, 2, 3, 4}, plus=False, swaps=False).reason
+    assert off.startswith("stage 1 rebuilt as a copy of stage 2, its only transformer neighbour")
+    assert "no edge swap ran: CheckFree+ is off" in off
+    lost = edge_plan(1, 3, {0, 3}, plus=True, swaps=False)
+    assert (lost.method, lost.reason) == (
+        RE,
+        "stage 1 cannot be rebuilt: its only transformer neighbour, stage 2, is lost too (two adjacent "
+        "stages lost); re-initialising it",
+    )
+    partner_lost = edge_plan(1, 4, {0, 3, 4}, plus=True, swaps=True)
+    assert (partner_lost.method, partner_lost.sources) == (RE, ())
+    assert "its swap partner, stage 2, is lost too" in partner_lost.reason
+
+
+@pytest.mark.parametrize(("s", "plus"), [(3, True), (2, True), (4, False), (6, False)])
+def test_swaps_that_cannot_have_run_are_rejected(s: int, plus: bool) -> None:
+    with pytest.raises(LocalProtocolError, match="no edge swap can have run"):
+        edge_plan(1, s, set(range(2, s + 1)), plus=plus, swaps=True)
+    with pytest.raises(LocalProtocolError):
+        edge_plan(1, 4, {2, 3, 4}, plus=True, swaps=1)  # type: ignore[arg-type]
+
+
+def test_edge_swaps_run_is_what_the_swap_schedule_does() -> None:
+    for s in range(1, 7):
+        for plus in (False, True):
+            scheduled = plus and any(swaps_edge_pairs(s, t, m) for t in range(2) for m in range(2))
+            assert edge_swaps_run(s, plus) == scheduled, (s, plus)
+
+
+# ---- re-initialisation ----------------------------------------------------------------------------------
+
+
+def test_reinit_seed_is_fresh_for_each_stage_and_step_and_not_the_runs() -> None:
+    seeds = {reinit_seed(run, k, t) for run in (0, 1, 7) for k in range(4) for t in (0, 5, 120)}
+    assert len(seeds) == 3 * 4 * 3  # one seed per (run, stage, step)
+    assert not seeds & {0, 1, 7}
+    assert all(isinstance(x, int) and 0 <= x < 2**63 for x in seeds)
+    assert reinit_seed(3, 2, 40) == reinit_seed(3, 2, 40)  # replicas re-initialised together agree
+
+
+@pytest.mark.parametrize("args", [(0, -1, 3), (0, 1, -3), (0, True, 3), (0.5, 1, 3), ("0", 1, 3)])
+def test_reinit_seed_rejects_bad_input(args: tuple) -> None:
+    with pytest.raises(LocalProtocolError):
+        reinit_seed(*args)
 
 
 @pytest.mark.parametrize(
@@ -230,6 +352,7 @@ def test_bad_arguments_are_rejected(kwargs: dict) -> None:
         "num_stages": 3,
         "alive": {0, 1},
         "checkfree_plus": True,
+        "swaps_ran": False,
         "embedding_copy_held": True,
         "head_copy_held": True,
     }
@@ -242,7 +365,13 @@ def test_bad_arguments_are_rejected(kwargs: dict) -> None:
 def test_stage_out_of_range_is_rejected() -> None:
     with pytest.raises(LocalProtocolError):
         plan_recovery(
-            4, num_stages=3, alive={0}, checkfree_plus=True, embedding_copy_held=True, head_copy_held=True
+            4,
+            num_stages=3,
+            alive={0},
+            checkfree_plus=True,
+            swaps_ran=False,
+            embedding_copy_held=True,
+            head_copy_held=True,
         )
 
 
