@@ -26,7 +26,7 @@ from protocols.skippipe.greedy import Shortlist, greedy_paths
 from protocols.skippipe.plan import Paths, Plan
 from protocols.skippipe.rules import PathRules
 from protocols.skippipe.sequences import Order, SequenceSpace
-from protocols.skippipe.simulator import SimResult, simulate
+from protocols.skippipe.simulator import SimResult, Simulator
 from protocols.skippipe.spread import Draws, draw_replicas, granted, missed
 from protocols.skippipe.swarm import SwarmView
 
@@ -58,6 +58,7 @@ def schedule(
         return clock is not None and budget_s is not None and clock() - start >= budget_s
 
     shortlist = Shortlist.of(view, space)
+    simulator = Simulator(view, rules.memory)
     draws = draw_replicas(view, rules.replica_mixing, rng)
 
     def constructed(critical_first: bool) -> tuple[Paths, SimResult]:
@@ -65,7 +66,7 @@ def schedule(
             view, rules, space, rng, slack, aware=True, critical_first=critical_first, shortlist=shortlist
         )
         paths = granted(paths, view, draws)
-        return paths, simulate(paths, view, rules.memory)
+        return paths, simulator.run(paths)
 
     best = constructed(critical_first=True)
     for attempt in range(1, restarts):
@@ -74,7 +75,7 @@ def schedule(
         other = constructed(critical_first=attempt % 2 == 0)
         if _key(other[1]) < _key(best[1]):
             best = other
-    paths, result = _improve(*best, view, rules, space, draws, rng, rounds, out_of_time)
+    paths, result = _improve(*best, simulator, rules, space, draws, rng, rounds, out_of_time)
     if result.stuck and rules.checkfree_plus_share > 0:
         # CheckFree+ swaps run some paths against the others' order; with few memory slots that can leave
         # no plan that finishes. The share is a preference: plan without it.
@@ -94,7 +95,7 @@ def _key(result: SimResult) -> tuple[float, float]:
 def _improve(
     paths: Paths,
     result: SimResult,
-    view: SwarmView,
+    simulator: Simulator,
     rules: PathRules,
     space: SequenceSpace,
     draws: Draws,
@@ -102,9 +103,13 @@ def _improve(
     rounds: int,
     out_of_time: Callable[[], bool],
 ) -> tuple[Paths, SimResult]:
-    """Local search scored by the simulator; every move keeps each path's kind and the stage counts."""
+    """Local search scored by the simulator; every move keeps each path's kind and the stage counts. A
+    trial is replayed from the current plan's last snapshot before its first change and dropped as soon
+    as it is sure to end later."""
+    view = simulator.view
     ids = sorted(paths)
     moves = (_move_replica, _swap_replicas, _exchange_paths, _exchange_stages, _reorder)
+    trace = simulator.trace(paths) if rounds else None
     for _ in range(rounds):
         if out_of_time():
             break
@@ -113,9 +118,10 @@ def _improve(
         moves[rng.randrange(len(moves))](trial, view, space, rng, mb, ids)
         if trial == paths or missed(trial, view, draws):
             continue
-        outcome = simulate(trial, view, rules.memory)
-        if _key(outcome) < _key(result):
+        outcome = simulator.rerun(trace, trial, bound=result.iteration_time_s)
+        if outcome is not None and _key(outcome) < _key(result):
             paths, result = trial, outcome
+            trace = simulator.trace(paths)
     return paths, result
 
 

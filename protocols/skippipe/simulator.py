@@ -56,55 +56,169 @@ def simulate(
     return Simulator(view, memory, fifo=fifo).run(paths)
 
 
-class Simulator:
-    """`simulate` for one view and memory that keeps each path's task chain for its next runs (a planner
-    times many plans that differ in a path or two)."""
+Chain = list[tuple[int, bool, float, bool]]  # (node, is_forward, seconds, releases_memory) per task
 
-    def __init__(self, view: SwarmView, memory: int, *, fifo: bool = False) -> None:
+
+class _State:
+    """What the event loop carries from one instant to the next (at an instant's start nothing waits to
+    be dispatched)."""
+
+    __slots__ = ("back", "busy", "collisions", "ends", "events", "fwd", "held", "now", "queueing", "seq")
+
+    def __init__(self, chains: list[Chain], n_nodes: int, fifo: bool) -> None:
+        self.busy = [False] * n_nodes
+        self.held = [0] * n_nodes
+        self.back: list[list[tuple[float, int, int]]] = [[] for _ in range(n_nodes)]
+        self.fwd = self.back if fifo else [[] for _ in range(n_nodes)]
+        # (time, seq, node, microbatch index, step): step >= 0 arrives, -1 - step finishes
+        self.events = [(0.0, i, chain[0][0], i, 0) for i, chain in enumerate(chains)]
+        self.seq = len(chains)
+        self.ends = [[math.inf] * len(chain) for chain in chains]  # when each task finished
+        self.collisions, self.queueing, self.now = 0, 0.0, 0.0
+
+    def copy(self) -> _State:
+        other = object.__new__(_State)
+        other.busy, other.held = self.busy[:], self.held[:]
+        other.back = [q[:] for q in self.back]
+        other.fwd = other.back if self.fwd is self.back else [q[:] for q in self.fwd]
+        other.events, other.seq = self.events[:], self.seq
+        other.ends = [e[:] for e in self.ends]
+        other.collisions, other.queueing, other.now = self.collisions, self.queueing, self.now
+        return other
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A timed plan and snapshots of the simulation, from which `Simulator.rerun` times a changed plan
+    without replaying the part of the iteration that the change cannot affect."""
+
+    paths: Mapping[int, tuple[int, ...]]
+    result: SimResult
+    ends: tuple[list[float], ...]
+    snapshots: tuple[_State, ...]
+
+
+class Simulator:
+    """`simulate` for one view and memory that keeps each path's task chain for its next runs and re-times
+    a plan after a change to a few paths (a planner times many plans that differ in a path or two)."""
+
+    def __init__(
+        self, view: SwarmView, memory: int, *, fifo: bool = False, stride: int | None = None
+    ) -> None:
         if memory < 1:
             raise LocalProtocolError(f"memory must be at least 1 microbatch, got {memory}")
+        if stride is not None and stride < 1:
+            raise LocalProtocolError(f"stride must be at least 1 event, got {stride}")
         self.view = view
         self.memory = memory
         self.fifo = fifo
-        self._chains: dict[tuple[int, tuple[int, ...]], list[tuple[int, bool, float, bool]]] = {}
+        self.stride = stride
+        self._chains: dict[tuple[int, tuple[int, ...]], Chain] = {}
 
     def run(self, paths: Mapping[int, Sequence[int]]) -> SimResult:
         """Simulate one iteration over `paths`."""
         ids = sorted(paths)
         chains = [self._chain(mb, paths[mb]) for mb in ids]
-        n, links, fifo = self.view.n_nodes, self.view.link_s, self.fifo
-        memory = len(ids) + 1 if fifo else self.memory
-        busy, pending, held = [False] * n, [False] * n, [0] * n
-        waiting_back: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]
-        waiting_fwd = waiting_back if fifo else [[] for _ in range(n)]
-        # (time, seq, node, microbatch index, step): step >= 0 arrives, -1 - step finishes
-        events = [(0.0, i, chains[i][0][0], i, 0) for i in range(len(ids))]
-        seq = len(events)
+        state = _State(chains, self.view.n_nodes, self.fifo)
+        self._play(state, chains, math.inf, None, 0)
+        return _result(ids, state)
+
+    def trace(self, paths: Mapping[int, Sequence[int]]) -> Trace:
+        """`run`, keeping a snapshot of the state every `stride` events (by default about 32 per run) for
+        `rerun`."""
+        ids = sorted(paths)
+        chains = [self._chain(mb, paths[mb]) for mb in ids]
+        state = _State(chains, self.view.n_nodes, self.fifo)
+        snapshots = [state.copy()]
+        stride = self.stride or max(16, 3 * sum(map(len, chains)) // 32)  # 3 events per task
+        self._play(state, chains, math.inf, snapshots, stride)
+        frozen = MappingProxyType({mb: tuple(paths[mb]) for mb in ids})
+        return Trace(frozen, _result(ids, state), tuple(state.ends), tuple(snapshots))
+
+    def rerun(
+        self, trace: Trace, paths: Mapping[int, Sequence[int]], bound: float = math.inf
+    ) -> SimResult | None:
+        """`run(paths)` for a plan of the same microbatches as `trace`'s, replayed from the last snapshot
+        before its first task that differs; None once its iteration is sure to end after `bound`."""
+        ids = sorted(paths)
+        if ids != list(trace.paths):
+            raise LocalProtocolError("a rerun must keep the traced plan's microbatches")
+        chains = [self._chain(mb, paths[mb]) for mb in ids]
+        diverge = math.inf
+        for i, mb in enumerate(ids):
+            old = trace.paths[mb]
+            if tuple(paths[mb]) != old:
+                step = _first_difference(self._chain(mb, old), chains[i])
+                diverge = min(diverge, trace.ends[i][step - 1] if step > 0 else 0.0)
+        start = trace.snapshots[0]
+        for snapshot in trace.snapshots:
+            if snapshot.now > diverge:
+                break
+            start = snapshot
+        state = start.copy()
+        if not self._play(state, chains, bound, None, 0):
+            return None
+        return _result(ids, state)
+
+    def _play(
+        self, state: _State, chains: list[Chain], bound: float, snapshots: list[_State] | None, stride: int
+    ) -> bool:
+        """Run the event loop from `state` to the end (True), or stop once an event falls after `bound`
+        (False); with `snapshots`, append a copy of the state at an instant's start every `stride` events."""
+        links = self.view.link_s
+        memory = len(chains) + 1 if self.fifo else self.memory
+        busy, held, waiting_back, waiting_fwd = state.busy, state.held, state.back, state.fwd
+        events, ends = state.events, state.ends
+        seq, collisions, queueing, now = state.seq, state.collisions, state.queueing, state.now
+        pending = [False] * len(busy)
         dispatch: list[int] = []  # nodes to serve at `now` in request order, once no event is left at `now`
-        finish = [math.inf] * len(ids)
-        collisions, queueing, now = 0, 0.0, 0.0
         push, pop = heapq.heappush, heapq.heappop
+        since = 0
+        if events and events[0][0] > bound:
+            return False
         while events or dispatch:
             if events and (not dispatch or events[0][0] == now):
+                if events[0][0] != now:  # a new instant
+                    if events[0][0] > bound:
+                        return False
+                    if snapshots is not None and since >= stride:
+                        state.seq, state.collisions, state.queueing = seq, collisions, queueing
+                        state.now = events[0][0]
+                        snapshots.append(state.copy())
+                        since = 0
                 now, _, node, i, step = pop(events)
-                if step >= 0:
+                since += 1
+                if step >= 0:  # a task arrives
+                    task = chains[i][step]
                     if busy[node] or waiting_back[node] or waiting_fwd[node]:
                         collisions += 1
-                    push(waiting_fwd[node] if chains[i][step][1] else waiting_back[node], (now, i, step))
+                    elif (
+                        not dispatch
+                        and (not events or events[0][0] != now)
+                        and (not task[1] or held[node] < memory)
+                    ):
+                        # alone at an idle node, nothing else due at this instant: it starts at once
+                        held[node] += task[1]
+                        busy[node] = True
+                        push(events, (now + task[2], seq, node, i, -1 - step))
+                        seq += 1
+                        continue
+                    push(waiting_fwd[node] if task[1] else waiting_back[node], (now, i, step))
                     if busy[node]:
                         continue
-                else:
+                else:  # a task finishes
                     step = -1 - step
                     busy[node] = False
+                    ends[i][step] = now
                     chain = chains[i]
                     if chain[step][3]:  # a backward pass frees its memory slot
                         held[node] -= 1
-                    if step + 1 == len(chain):
-                        finish[i] = now
-                    else:
+                    if step + 1 < len(chain):
                         nxt = chain[step + 1][0]
                         push(events, (now + links[node][nxt], seq, nxt, i, step + 1))
                         seq += 1
+                    if not waiting_back[node] and not waiting_fwd[node]:
+                        continue  # nothing to serve
                 if not pending[node]:
                     pending[node] = True
                     dispatch.append(node)
@@ -114,7 +228,7 @@ class Simulator:
             if busy[node]:
                 continue
             back, fwd = waiting_back[node], waiting_fwd[node]
-            if back and not fifo:
+            if back and back is not fwd:
                 ready, i, step = pop(back)
             elif fwd and held[node] < memory:
                 ready, i, step = pop(fwd)
@@ -126,17 +240,28 @@ class Simulator:
             busy[node] = True
             push(events, (now + chains[i][step][2], seq, node, i, -1 - step))
             seq += 1
-        stuck = tuple(mb for mb, end in zip(ids, finish, strict=True) if end == math.inf)
-        iteration = math.inf if stuck else max(finish, default=0.0)
-        finish_s = {mb: end for mb, end in zip(ids, finish, strict=True) if end != math.inf}
-        return SimResult(iteration, MappingProxyType(finish_s), collisions, queueing, stuck)
+        state.seq, state.collisions, state.queueing, state.now = seq, collisions, queueing, now
+        return True
 
-    def _chain(self, mb: int, path: Sequence[int]) -> list[tuple[int, bool, float, bool]]:
+    def _chain(self, mb: int, path: Sequence[int]) -> Chain:
         key = (mb, tuple(path))
         chain = self._chains.get(key)
         if chain is None:
             chain = self._chains[key] = _tasks(mb, path, self.view)
         return chain
+
+
+def _result(ids: list[int], state: _State) -> SimResult:
+    finish = {mb: ends[-1] for mb, ends in zip(ids, state.ends, strict=True) if ends[-1] != math.inf}
+    stuck = tuple(mb for mb in ids if mb not in finish)
+    iteration = math.inf if stuck else max(finish.values(), default=0.0)
+    return SimResult(iteration, MappingProxyType(finish), state.collisions, state.queueing, stuck)
+
+
+def _first_difference(old: Chain, new: Chain) -> int:
+    return next(
+        (j for j, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new))
+    )
 
 
 def _tasks(mb: int, path: Sequence[int], view: SwarmView) -> list[tuple[int, bool, float, bool]]:
