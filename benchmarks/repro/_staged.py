@@ -240,3 +240,28 @@ def mode_name(args: argparse.Namespace) -> str:
 
 def mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else math.nan
+
+
+def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The mean over seeds of validation curves evaluated at the same steps."""
+    steps = [step for step, _ in curves[0]]
+    if any([step for step, _ in c] != steps for c in curves):
+        raise ValueError("curves of different seeds were evaluated at different steps")
+    return [(step, mean([c[i][1] for c in curves])) for i, step in enumerate(steps)]
+
+
+def plot_curves(path: str, title: str, panels: list[tuple[str, dict[str, list[tuple[int, float]]]]]) -> None:
+    """One panel per group: validation loss after the failure (mean over seeds) for each method."""
+    from matplotlib.figure import Figure  # Agg, whatever the default backend
+
+    fig = Figure(figsize=(4.6 * len(panels), 3.6), layout="constrained")
+    for ax, (name, curves) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        for label, curve in curves.items():
+            style = "k--" if label.startswith("no_failure") else "-"
+            ax.plot([s for s, _ in curve], [v for _, v in curve], style, label=label, linewidth=1.2)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("steps after the failure")
+        ax.set_ylabel("validation loss (mean over seeds)")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)

@@ -24,7 +24,17 @@ from pathlib import Path
 
 import torch
 from _report import Row, plot, result, table, write_json
-from _staged import Data, Setup, StagedModel, common_args, mean, mode_name, steps_to_regain
+from _staged import (
+    Data,
+    Setup,
+    StagedModel,
+    common_args,
+    mean,
+    mean_curve,
+    mode_name,
+    plot_curves,
+    steps_to_regain,
+)
 
 from protocols.checkfree import DEFAULT_LR_FACTOR, Method, average_neighbours, copy_partner
 
@@ -34,7 +44,7 @@ PAPER_ORDER = ("reinit", "copy", "average", "checkfree")  # worst to best
 MODES = {
     "smoke": (Setup(seq_len=32, val_batches=1), 4, 4, 2, 2),
     "quick": (Setup(), 80, 40, 5, 3),
-    "full": (Setup(microbatches=2), 250, 100, 5, 5),
+    "full": (Setup(), 150, 50, 5, 4),
 }
 
 
@@ -141,7 +151,10 @@ def main() -> None:
     if args.json:
         write_json(Path(args.json), body)
     if args.plot:
-        plot(Path(args.plot), f"CheckFree ablation ({mode}, {n_seeds} seeds, stage {args.stage} of 6)", rows)
+        title = f"CheckFree ablation ({mode}, {n_seeds} seeds, stage {args.stage} of 6 lost)"
+        curves = {m: mean_curve([r["curves"][m] for r in runs]) for m in METHODS}
+        plot_curves(args.plot, title, [("validation loss after the failure", curves)])
+        plot(Path(args.plot).with_suffix(".bars.png"), title, rows)
 
 
 if __name__ == "__main__":

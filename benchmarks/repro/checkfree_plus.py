@@ -27,7 +27,17 @@ from pathlib import Path
 
 import torch
 from _report import Row, plot, result, table, write_json
-from _staged import Data, Setup, StagedModel, common_args, mean, mode_name, steps_to_regain
+from _staged import (
+    Data,
+    Setup,
+    StagedModel,
+    common_args,
+    mean,
+    mean_curve,
+    mode_name,
+    plot_curves,
+    steps_to_regain,
+)
 
 from protocols.checkfree import Method
 
@@ -35,7 +45,7 @@ from protocols.checkfree import Method
 MODES = {
     "smoke": (Setup(seq_len=32, val_batches=1), 5, 3, 3, 2, 2),
     "quick": (Setup(), 75, 25, 5, 3, 10),
-    "full": (Setup(), 205, 80, 5, 3, 10),
+    "full": (Setup(), 105, 40, 5, 3, 10),
 }
 REGIMES = {"swaps": True, "no swaps": False}
 
@@ -161,7 +171,14 @@ def main() -> None:
     if args.json:
         write_json(Path(args.json), body)
     if args.plot:
-        plot(Path(args.plot), f"CheckFree+ edge stages ({mode}, {n_seeds} seeds)", rows)
+        title = f"CheckFree+ edge stages ({mode}, {n_seeds} seeds)"
+        curves = {n: mean_curve([r["curves"][n] for r in runs]) for n in names}
+        panels = [
+            (group, {n: c for n, c in curves.items() if n.startswith((group, "no_failure"))})
+            for group in ("S1", "Ss", "E")
+        ]
+        plot_curves(args.plot, title, panels)
+        plot(Path(args.plot).with_suffix(".bars.png"), title, rows)
 
 
 def _regime(name: str) -> str:

@@ -51,7 +51,7 @@ COPY_REFRESH_STEPS = 10
 MODES = {
     "smoke": (Setup(seq_len=32, val_batches=1), 6, 1, 20.0, 3, 2, 3),
     "quick": (Setup(), 50, 2, 7.0, 10, 4, 3),
-    "full": (Setup(), 80, 3, 4.5, 10, 4, 3),
+    "full": (Setup(), 60, 3, 6.0, 10, 4, 3),
 }
 
 
