@@ -29,6 +29,7 @@ from protocols.skippipe.swarm import SwarmView
 from protocols.skippipe.timeline import Timeline
 
 Completion = list[tuple[int, frozenset[int]]]  # (kind, stage set) per microbatch still to plan
+_Layer = dict[int, tuple[float, tuple[tuple[int, float], ...]]]  # replica -> forward end, (node, start)s
 _FIT_MARGIN = 1.25  # a path that fits in memory is preferred unless it finishes this much later
 _MAX_MISSES = 3  # candidates outside the completion tried per microbatch before keeping to it
 
@@ -155,10 +156,11 @@ class _Planner:
 
     def plan(self, d: int, release: float) -> _Candidate:
         """Choose and reserve the path of data node d's microbatch released at `release`."""
+        layers: dict[Order, _Layer] = {}  # forward chains by stage prefix, shared by the orders routed
         options = [
             c
             for kind, order in self.shortlist.options(d, self.completion)
-            for c in self._route(d, kind, order, release, idle=not self.aware)
+            for c in self._route(d, kind, order, release, layers)
         ]
         chosen = self._choose(options)
         for stage in chosen.stages:
@@ -169,40 +171,52 @@ class _Planner:
             self.timelines[node].holds.append((start, end))
         return chosen
 
-    def _route(self, d: int, kind: int, order: Order, release: float, *, idle: bool) -> list[_Candidate]:
+    def _look(self, node: int) -> Timeline:
+        return self.timelines[node] if self.aware else self.idle
+
+    def _forward(self, d: int, release: float, prefix: Order, layers: dict[Order, _Layer]) -> _Layer:
+        """Per replica of the prefix's last stage, the earliest-ending forward chain along `prefix`."""
+        layer = layers.get(prefix)
+        if layer is not None:
+            return layer
+        fwd, links, memory = self.view.forward_s, self.view.link_s, self.memory
+        if not prefix:
+            start = self._look(d).earliest_start(release, fwd[d])
+            layer = {d: (start + fwd[d], ((d, start),))}
+        else:
+            before = self._forward(d, release, prefix[:-1], layers)
+            layer = {}
+            for y in self.view.stages[prefix[-1]]:
+                x = min(before, key=lambda x: before[x][0] + links[x][y])
+                arrive = before[x][0] + links[x][y]
+                timeline = self._look(y)
+                begin = timeline.earliest_start(timeline.slot_free(arrive, memory), fwd[y])
+                layer[y] = (begin + fwd[y], (*before[x][1], (y, begin)))
+        layers[prefix] = layer
+        return layer
+
+    def _route(
+        self, d: int, kind: int, order: Order, release: float, layers: dict[Order, _Layer]
+    ) -> list[_Candidate]:
         """For each replica of the last stage, the earliest-finishing forward chain and its round trip."""
-        view, memory = self.view, self.memory
+        view = self.view
         fwd, links = view.forward_s, view.link_s
-
-        def look(node: int) -> Timeline:
-            return self.idle if idle else self.timelines[node]
-
-        start = look(d).earliest_start(release, fwd[d])
-        layer: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {d: (start + fwd[d], ())}
-        for stage in order:
-            nxt = {}
-            for y in view.stages[stage]:
-                x = min(layer, key=lambda x: layer[x][0] + links[x][y])
-                ready = look(y).slot_free(layer[x][0] + links[x][y], memory)
-                begin = look(y).earliest_start(ready, fwd[y])
-                nxt[y] = (begin + fwd[y], (*layer[x][1], (y, begin)))
-            layer = nxt
         out = []
-        for last, (t, chain) in layer.items():
+        for last, (t, ((_, start), *chain)) in self._forward(d, release, order, layers).items():
             tasks = [(d, start, start + fwd[d])] + [(y, s, s + fwd[y]) for y, s in chain]
             head = view.head_factor * fwd[d]
-            begin = look(d).earliest_start(t + links[last][d], head)
+            begin = self._look(d).earliest_start(t + links[last][d], head)
             t, here = begin + head, d
             tasks.append((d, begin, t))
             holds = []
             for y, forward_start in reversed(chain):
                 duration = view.backward_factor * fwd[y]
-                begin = look(y).earliest_start(t + links[here][y], duration)
+                begin = self._look(y).earliest_start(t + links[here][y], duration)
                 t, here = begin + duration, y
                 tasks.append((y, begin, t))
                 holds.append((y, forward_start, t))
             duration = view.backward_factor * fwd[d]
-            begin = look(d).earliest_start(t + links[here][d], duration)
+            begin = self._look(d).earliest_start(t + links[here][d], duration)
             tasks.append((d, begin, begin + duration))
             nodes = tuple(y for y, _ in chain)
             out.append(_Candidate(begin + duration, kind, frozenset(order), nodes, tasks, holds))

@@ -110,18 +110,22 @@ def _improve(
     ids = sorted(paths)
     moves = (_move_replica, _swap_replicas, _exchange_paths, _exchange_stages, _reorder)
     trace = simulator.trace(paths) if rounds else None
+    tried: set[tuple[tuple[int, tuple[int, ...]], ...]] = set()  # changes already rejected from this plan
     for _ in range(rounds):
         if out_of_time():
             break
         trial = dict(paths)
         mb = _pick(result, ids, rng, rules.microbatches_per_data_node)
         moves[rng.randrange(len(moves))](trial, view, space, rng, mb, ids)
-        if trial == paths or missed(trial, view, draws):
+        change = tuple((mb, path) for mb, path in sorted(trial.items()) if paths[mb] != path)
+        if not change or change in tried or missed(trial, view, draws):
             continue
+        tried.add(change)
         outcome = simulator.rerun(trace, trial, bound=result.iteration_time_s)
         if outcome is not None and _key(outcome) < _key(result):
             paths, result = trial, outcome
             trace = simulator.trace(paths)
+            tried.clear()
     return paths, result
 
 

@@ -114,6 +114,7 @@ class Simulator:
         self.fifo = fifo
         self.stride = stride
         self._chains: dict[tuple[int, tuple[int, ...]], Chain] = {}
+        self._rests: dict[int, list[float]] = {}  # by id of a chain kept in _chains
 
     def run(self, paths: Mapping[int, Sequence[int]]) -> SimResult:
         """Simulate one iteration over `paths`."""
@@ -156,15 +157,24 @@ class Simulator:
                 break
             start = snapshot
         state = start.copy()
-        if not self._play(state, chains, bound, None, 0):
+        if not self._play(state, chains, bound, None, 0, [self._rest(chain) for chain in chains]):
             return None
         return _result(ids, state)
 
     def _play(
-        self, state: _State, chains: list[Chain], bound: float, snapshots: list[_State] | None, stride: int
+        self,
+        state: _State,
+        chains: list[Chain],
+        bound: float,
+        snapshots: list[_State] | None,
+        stride: int,
+        rests: list[list[float]] | None = None,
     ) -> bool:
-        """Run the event loop from `state` to the end (True), or stop once an event falls after `bound`
-        (False); with `snapshots`, append a copy of the state at an instant's start every `stride` events."""
+        """Run the event loop from `state` to the end (True), or stop (False) once the iteration is sure to
+        end after `bound`: an event falls after it, or a task arrives too late for the rest of its chain
+        (`rests`) to end by then. With `snapshots`, append a copy of the state at an instant's start
+        every `stride` events."""
+        limit = bound + 1e-9 * max(1.0, abs(bound))  # the rests are sums in another order: keep a margin
         links = self.view.link_s
         memory = len(chains) + 1 if self.fifo else self.memory
         busy, held, waiting_back, waiting_fwd = state.busy, state.held, state.back, state.fwd
@@ -189,6 +199,8 @@ class Simulator:
                 now, _, node, i, step = pop(events)
                 since += 1
                 if step >= 0:  # a task arrives
+                    if rests is not None and now + rests[i][step] > limit:
+                        return False
                     task = chains[i][step]
                     if busy[node] or waiting_back[node] or waiting_fwd[node]:
                         collisions += 1
@@ -242,6 +254,20 @@ class Simulator:
             seq += 1
         state.seq, state.collisions, state.queueing, state.now = seq, collisions, queueing, now
         return True
+
+    def _rest(self, chain: Chain) -> list[float]:
+        """Per task of `chain`, the least time from its arrival to the chain's end (no waiting)."""
+        key = id(chain)
+        rest = self._rests.get(key)
+        if rest is None:
+            links = self.view.link_s
+            rest = [0.0] * len(chain)
+            after = 0.0
+            for j in range(len(chain) - 1, -1, -1):
+                hop = links[chain[j][0]][chain[j + 1][0]] if j + 1 < len(chain) else 0.0
+                after = rest[j] = chain[j][2] + hop + after
+            self._rests[key] = rest
+        return rest
 
     def _chain(self, mb: int, path: Sequence[int]) -> Chain:
         key = (mb, tuple(path))

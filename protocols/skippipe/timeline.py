@@ -31,17 +31,21 @@ class Timeline:
 
     def slot_free(self, ready: float, memory: int) -> float:
         """The first moment at or after `ready` when fewer than `memory` microbatches are held."""
-        for moment in [ready, *sorted(b for _, b in self.holds if b > ready)]:
+        if sum(1 for a, b in self.holds if a <= ready < b) < memory:
+            return ready
+        for moment in sorted(b for _, b in self.holds if b > ready):
             if sum(1 for a, b in self.holds if a <= moment < b) < memory:
                 return moment
         return ready  # unreachable: after the last release nothing is held
 
     def holders(self, start: float, end: float) -> int:
         """The most microbatches held at once during [start, end)."""
+        overlapping = [(a, b) for a, b in self.holds if a < end and b > start]
+        if len(overlapping) < 2:
+            return len(overlapping)
         points = []
-        for a, b in self.holds:
-            if a < end and b > start:
-                points += [(max(a, start), 1), (min(b, end), -1)]
+        for a, b in overlapping:
+            points += [(max(a, start), 1), (min(b, end), -1)]
         most = held = 0
         for _, change in sorted(points):  # at equal times a release comes before a take
             held += change
