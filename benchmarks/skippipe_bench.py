@@ -1,31 +1,48 @@
 """SkipPipe scheduling benchmark: expected iteration time of each method against the published figures.
 
-Run from the repository root: `python benchmarks/skippipe_bench.py [--seeds N]`. Prints one table per
-setting; seeded methods show the mean over N seeds with the range. "skippipe" draws replicas a data node
-must reach (PathRules.replica_mixing, default 0.25) so that no data node stays pinned to one replica; the
-last row switches that off, as in the reference schedule, which pins one loop per data node.
+Run from the repository root: `python benchmarks/skippipe_bench.py [--seeds N] [--old REV] [--no-scaling]`.
+Prints one table per setting; seeded methods show the mean over N seeds with the range. "skippipe" draws
+replicas a data node must reach (PathRules.replica_mixing, default 0.25) so that no data node stays pinned
+to one replica; the "mixing off" row switches that off, as in the reference schedule, which pins one loop
+per data node. With `--old REV` the planner of that git revision runs on the same inputs in the same run
+("old planner" rows and columns; `git` must be on the PATH).
+
+Every plan is timed in two cost models: the planner's own (`ours s`: backward passes first, at most
+`memory` microbatches per node) and plain FIFO per node without a memory limit (`fifo s`); `vs full` and
+`fifo vs full` are ratios to the full pipeline timed in the same model.
 
 Settings:
 - the reference scenario of `data/gcp12_links.json` as written (forward 1.76 s per microbatch per node),
   with the NL-London bandwidth as published (0.00024 GiB/s, probably a typo) and corrected (x1000);
 - the same with 0.44 s forward per microbatch: the compute that reproduces the published numbers with our
   simulator (the committed reference schedule simulates to 32.9 s against the published 33.3 s);
-- a seeded random 40-node swarm: the 12 sites, heterogeneous compute (0.5-2x), 8 stages, 6 data nodes.
+- a seeded random 40-node swarm: the 12 sites (NL-London corrected: a 132 s hop dominates any plan that
+  has to use it), heterogeneous compute (0.5-2x), 8 stages, 6 data nodes;
+- scaling: seeded swarms of 20 to 1,000 nodes and 5 to 16 stages (`scaled_swarm`), one seed each.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import io
 import json
 import random
+import re
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from protocols.skippipe import METHODS, PathRules, SwarmView, scenario_from_dict, simulate
+from protocols.skippipe import METHODS, PathRules, Plan, SwarmView, scenario_from_dict, schedule, simulate
+from protocols.skippipe.baselines import full_pipeline_plan
 
 DATA = Path(__file__).parent / "data" / "gcp12_links.json"
 PUBLISHED = {
@@ -37,12 +54,19 @@ PUBLISHED = {
 NL_LONDON_FIXED = {("NL", "London"): 0.00023681640625 * 1000}
 # The paths of the committed schedule.json of gensyn-ai/skippipe ("ca-paths"): one loop per data node.
 COMMITTED_LOOPS = {0: (6, 12, 5), 3: (14, 2, 18), 4: (1, 15, 19), 10: (13, 17, 7), 11: (8, 16, 9)}
+SCALING = ((20, 5), (40, 8), (100, 8), (250, 12), (500, 16), (1000, 16))
+OLD_UP_TO = 100  # nodes: beyond, the old planner's exhaustive order ranking takes minutes
+Method = Callable[[SwarmView, PathRules, int], Plan]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5, help="seeds per seeded method")
-    seeds = range(parser.parse_args().seeds)
+    parser.add_argument("--old", metavar="REV", help="git revision whose planner to compare with")
+    parser.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
+    args = parser.parse_args()
+    seeds = range(args.seeds)
+    old = _old_planner(args.old) if args.old else None
     data = json.loads(DATA.read_text())
     for forward, note in ((None, "as written: 1.76 s forward"), (0.44, "calibrated: 0.44 s forward")):
         for fix, link in ((None, "NL-London as published"), (NL_LONDON_FIXED, "NL-London x1000")):
@@ -52,15 +76,41 @@ def main() -> None:
                 view = dataclasses.replace(view, forward_s=tuple(forward for _ in view.forward_s))
             committed = _committed_schedule_time(view, scenario.rules)
             title = f"reference scenario, {note}, {link}; committed reference schedule: {committed:.1f} s"
-            _table(title, view, scenario.rules, scenario.published_s, seeds)
+            _table(title, view, scenario.rules, scenario.published_s, seeds, old)
     view, rules = random_swarm(data, seed=40)
-    _table("random 40-node heterogeneous swarm (seed 40), 1.76 s forward x 0.5-2", view, rules, {}, seeds)
+    _table(
+        "random 40-node heterogeneous swarm (seed 40), 1.76 s forward x 0.5-2", view, rules, {}, seeds, old
+    )
+    if not args.no_scaling:
+        _scaling(data, old)
 
 
 def random_swarm(data: dict[str, Any], seed: int) -> tuple[SwarmView, PathRules]:
-    """40 nodes at random sites with heterogeneous compute: 6 data nodes and 8 stages of 4-5 replicas."""
+    """40 nodes at random sites (NL-London corrected) with heterogeneous compute: 6 data nodes and 8 stages
+    of 4-5 replicas."""
     rng = random.Random(seed)
     sizes = [6, 5, 4, 4, 4, 4, 4, 4, 5]
+    return _swarm(data, rng, sizes, 6, len(sizes), NL_LONDON_FIXED)
+
+
+def scaled_swarm(data: dict[str, Any], n_nodes: int, n_stages: int, seed: int) -> tuple[SwarmView, PathRules]:
+    """`n_nodes` at random sites (NL-London corrected), heterogeneous compute (0.5-2x), one data node per
+    `n_stages + 1` nodes, the rest spread evenly over the stages; paths visit 60% of the stages."""
+    rng = random.Random(seed)
+    data_nodes = max(2, round(n_nodes / (n_stages + 1)))
+    rest = n_nodes - data_nodes
+    sizes = [data_nodes] + [rest // n_stages + (k < rest % n_stages) for k in range(n_stages)]
+    return _swarm(data, rng, sizes, max(1, round(0.6 * n_stages)), n_stages + 1, NL_LONDON_FIXED)
+
+
+def _swarm(
+    data: dict[str, Any],
+    rng: random.Random,
+    sizes: list[int],
+    visited: int,
+    total: int,
+    fix: Mapping[tuple[str, str], float] | None = None,
+) -> tuple[SwarmView, PathRules]:
     nodes = list(range(sum(sizes)))
     rng.shuffle(nodes)
     stages = [nodes[sum(sizes[:k]) : sum(sizes[: k + 1])] for k in range(len(sizes))]
@@ -69,11 +119,13 @@ def random_swarm(data: dict[str, Any], seed: int) -> tuple[SwarmView, PathRules]
         nodes=len(nodes),
         node_sites=[rng.choice(data["sites"]) for _ in nodes],
         node_stages=stages,
-        stages_visited_per_path_including_stage0=6,
+        stages_visited_per_path_including_stage0=visited + 1,
     )
-    view = scenario_from_dict({**data, "skippipe_reference_scenario": reference}).view
-    view = dataclasses.replace(view, forward_s=tuple(f * rng.uniform(0.5, 2.0) for f in view.forward_s))
-    rules = PathRules.visiting(6, len(sizes), microbatches_per_data_node=6, memory=3)
+    scenario = scenario_from_dict({**data, "skippipe_reference_scenario": reference}, bandwidth_overrides=fix)
+    view = dataclasses.replace(
+        scenario.view, forward_s=tuple(f * rng.uniform(0.5, 2.0) for f in scenario.view.forward_s)
+    )
+    rules = PathRules.visiting(visited + 1, total, microbatches_per_data_node=6, memory=3)
     return view, rules
 
 
@@ -83,34 +135,103 @@ def _committed_schedule_time(view: SwarmView, rules: PathRules) -> float:
     return simulate(paths, view, rules.memory).iteration_time_s
 
 
+def _timed(method: Method, view: SwarmView, rules: PathRules, seed: int) -> tuple[Plan, float, float]:
+    """The plan, wall and CPU milliseconds."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    plan = method(view, rules, seed)
+    return plan, 1000 * (time.perf_counter() - wall), 1000 * (time.process_time() - cpu)
+
+
+def _fifo(plan: Plan, view: SwarmView) -> float:
+    return simulate(plan.paths, view, 1, fifo=True).iteration_time_s
+
+
 def _table(
-    title: str, view: SwarmView, rules: PathRules, published: Mapping[str, float], seeds: range
+    title: str,
+    view: SwarmView,
+    rules: PathRules,
+    published: Mapping[str, float],
+    seeds: range,
+    old: ModuleType | None,
 ) -> None:
     print(f"\n{title}")
-    header = f"{'method':<40}{'ours s':>8}{'range':>13}{'vs full':>9}{'published s':>13}{'collisions':>12}"
-    print(f"{header}{'wall ms':>9}{'cpu ms':>8}")
+    print(
+        f"{'method':<40}{'ours s':>8}{'range':>13}{'vs full':>9}{'fifo s':>8}{'fifo vs full':>13}"
+        f"{'published s':>13}{'collisions':>12}{'wall ms':>9}{'cpu ms':>8}"
+    )
     unpinned = dataclasses.replace(rules, replica_mixing=0.0)
     rows = [(name.replace("_", " "), method, rules, PUBLISHED[name]) for name, method in METHODS.items()]
     rows.append(("skippipe, replica mixing off", METHODS["skippipe"], unpinned, "skippipe"))
-    full = None
+    if old is not None:
+        rows.append(("skippipe, old planner", _old_method(old), rules, "skippipe"))
+    full = full_pipeline_plan(view, rules)
+    full_s, full_fifo = full.iteration_time_s, _fifo(full, view)
     for label, method, method_rules, published_name in rows:
-        times, collisions, walls, cpus = [], [], [], []
-        for seed in seeds:
-            wall, cpu = time.perf_counter(), time.process_time()
-            plan = method(view, method_rules, seed)
-            walls.append(1000 * (time.perf_counter() - wall))
-            cpus.append(1000 * (time.process_time() - cpu))
-            times.append(plan.iteration_time_s)
-            collisions.append(plan.collisions)
+        runs = [_timed(method, view, method_rules, seed) for seed in seeds]
+        times = [plan.iteration_time_s for plan, _, _ in runs]
+        fifo = statistics.fmean(_fifo(plan, view) for plan, _, _ in runs)
         mean = statistics.fmean(times)
-        change = "" if full is None else f"{mean / full - 1:+.1%}"
-        full = mean if full is None else full
         paper = published.get(published_name)
         print(
-            f"{label:<40}{mean:>8.1f}{f'{min(times):.1f}-{max(times):.1f}':>13}{change:>9}"
-            f"{'' if paper is None else f'{paper:.1f}':>13}{statistics.fmean(collisions):>12.1f}"
-            f"{statistics.fmean(walls):>9.0f}{statistics.fmean(cpus):>8.0f}"
+            f"{label:<40}{mean:>8.1f}{f'{min(times):.1f}-{max(times):.1f}':>13}{mean / full_s:>9.3f}"
+            f"{fifo:>8.1f}{fifo / full_fifo:>13.3f}{'' if paper is None else f'{paper:.1f}':>13}"
+            f"{statistics.fmean(plan.collisions for plan, _, _ in runs):>12.1f}"
+            f"{statistics.fmean(w for _, w, _ in runs):>9.0f}{statistics.fmean(c for _, _, c in runs):>8.0f}"
         )
+
+
+def _scaling(data: dict[str, Any], old: ModuleType | None) -> None:
+    print("\nscaling (seed 0): planner time and plan quality against the full pipeline (own model; FIFO)")
+    header = f"{'nodes':>6}{'stages':>7}{'data':>5}{'mbs':>5}{'full s':>8}{'skippipe s':>11}{'vs full':>8}"
+    header += f"{'fifo vs full':>13}{'cpu s':>7}"
+    if old is not None:
+        header += f"{'old vs full':>12}{'old cpu s':>10}{'cpu new/old':>12}"
+    print(header)
+    for n_nodes, n_stages in SCALING:
+        if (n_nodes, n_stages) == (20, 5):
+            scenario = scenario_from_dict(data)
+            view, rules = scenario.view, scenario.rules
+        else:
+            view, rules = scaled_swarm(data, n_nodes, n_stages, seed=0)
+        full = full_pipeline_plan(view, rules)
+        plan, _, cpu = _timed(schedule, view, rules, 0)
+        line = (
+            f"{n_nodes:>6}{n_stages:>7}{len(view.data_nodes):>5}{len(plan.paths):>5}"
+            f"{full.iteration_time_s:>8.1f}{plan.iteration_time_s:>11.1f}"
+            f"{plan.iteration_time_s / full.iteration_time_s:>8.3f}"
+            f"{_fifo(plan, view) / _fifo(full, view):>13.3f}"
+            f"{cpu / 1000:>7.2f}"
+        )
+        if old is not None and n_nodes <= OLD_UP_TO:
+            old_plan, _, old_cpu = _timed(_old_method(old), view, rules, 0)
+            line += f"{old_plan.iteration_time_s / full.iteration_time_s:>12.3f}{old_cpu / 1000:>10.2f}"
+            line += f"{cpu / old_cpu:>12.3f}"
+        print(line, flush=True)
+
+
+def _old_planner(rev: str) -> ModuleType:
+    """`protocols.skippipe` as of git revision `rev`, imported under another name beside today's."""
+    archive = subprocess.run(["git", "archive", rev, "protocols"], check=True, capture_output=True).stdout
+    root = Path(tempfile.mkdtemp(prefix="skippipe_old_"))
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(root, filter="data")
+    package = root / "old_protocols"
+    (root / "protocols").rename(package)
+    for source in package.rglob("*.py"):
+        source.write_text(re.sub(r"\bprotocols([.\s])", r"old_protocols\1", source.read_text()))
+    sys.path.insert(0, str(root))
+    return importlib.import_module("old_protocols.skippipe")
+
+
+def _old_method(old: ModuleType) -> Method:
+    def method(view: SwarmView, rules: PathRules, seed: int) -> Plan:
+        old_view = old.SwarmView(
+            view.stages, view.forward_s, view.link_s, view.backward_factor, view.head_factor
+        )
+        plan = old.schedule(old_view, old.PathRules(**dataclasses.asdict(rules)), seed)
+        return Plan(dict(plan.paths), plan.iteration_time_s, plan.collisions)
+
+    return method
 
 
 if __name__ == "__main__":

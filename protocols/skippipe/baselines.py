@@ -27,10 +27,18 @@ def full_pipeline_plan(view: SwarmView, rules: PathRules) -> Plan:
     replicas; all microbatches of a data node follow its pipeline. Skips, swaps and CheckFree+ are off.
     """
     m = rules.microbatches_per_data_node
+    pipelines = _pipelines(view, rules)
+    paths = {i * m + j: (d, *pipelines[d], d) for i, d in enumerate(view.data_nodes) for j in range(m)}
+    return Plan.simulated(paths, view, rules.memory)
+
+
+def _pipelines(view: SwarmView, rules: PathRules) -> dict[int, tuple[int, ...]]:
+    """The replica of every stage, in stage order, that each data node's pipeline runs through."""
+    m = rules.microbatches_per_data_node
     links, fwd = view.link_s, view.forward_s
     load = [0.0] * view.n_nodes
-    paths: Paths = {}
-    for i, d in enumerate(view.data_nodes):
+    pipelines = {}
+    for d in view.data_nodes:
         layer: dict[int, tuple[float, tuple[int, ...]]] = {d: (0.0, ())}
         for stage in view.stages[1:]:
             nxt = {}
@@ -41,12 +49,14 @@ def full_pipeline_plan(view: SwarmView, rules: PathRules) -> Plan:
         _, chain = min(layer.values(), key=lambda c: c[0] + links[c[1][-1]][d] + links[d][c[1][-1]])
         for y in chain:
             load[y] += m * (1.0 + view.backward_factor) * fwd[y]
-        paths.update({i * m + j: (d, *chain, d) for j in range(m)})
-    return Plan.simulated(paths, view, rules.memory)
+        pipelines[d] = chain
+    return pipelines
 
 
 def skips_without_collision_awareness(view: SwarmView, rules: PathRules, seed: int) -> Plan:
-    """Random valid skips: the balanced sequences in random order, each stage on a random replica."""
+    """DT-FM with skips: each data node keeps its full pipeline's replicas (`full_pipeline_plan`) and each
+    microbatch leaves out a random share of the stages (a balanced draw of stage sets, visited in stage
+    order, CheckFree+ paths in their swapped order), whatever the collisions."""
     return _swaps_if_they_finish(_random_skips, view, rules, seed)
 
 
@@ -74,16 +84,20 @@ def _random_skips(view: SwarmView, rules: PathRules, seed: int) -> Plan:
     rng = random.Random(seed)
     m = rules.microbatches_per_data_node
     space = SequenceSpace.of(view.n_stages, rules)
+    pipelines = _pipelines(view, rules)
 
     def draw() -> Paths:
         chosen = space.balanced(len(view.data_nodes) * m, rng)
         rng.shuffle(chosen)
-        orders = [rng.choice(space.by_set[kind][stages]) for kind, stages in chosen]
-        return {
-            mb: (d, *(rng.choice(view.stages[stage]) for stage in orders[mb]), d)
-            for i, d in enumerate(view.data_nodes)
-            for mb in range(i * m, (i + 1) * m)
-        }
+        paths = {}
+        for i, d in enumerate(view.data_nodes):
+            replica = {view.stage_of[y]: y for y in pipelines[d]}
+            for mb in range(i * m, (i + 1) * m):
+                kind, stages = chosen[mb]
+                orders = space.by_set[kind][stages]
+                order = tuple(sorted(stages)) if tuple(sorted(stages)) in orders else orders[0]
+                paths[mb] = (d, *(replica[stage] for stage in order), d)
+        return paths
 
     return _first_completing(draw, view, rules)
 

@@ -16,6 +16,7 @@ is taken only if a new completion is found with it.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ Completion = list[tuple[int, frozenset[int]]]  # (kind, stage set) per microbatc
 _Layer = dict[int, tuple[float, tuple[tuple[int, float], ...]]]  # replica -> forward end, (node, start)s
 _FIT_MARGIN = 1.25  # a path that fits in memory is preferred unless it finishes this much later
 _MAX_MISSES = 3  # candidates outside the completion tried per microbatch before keeping to it
+_MAX_RANKING = 2_000_000  # replica pairs looked at to rank every order for every data node, at most
+_WIDTH = 8  # replicas per stage a forward chain is extended to, at most
 
 
 @dataclass
@@ -49,17 +52,24 @@ class Shortlist:
     """Per data node and path kind, the allowed orders by unloaded round trip, fastest first.
 
     A microbatch is routed along the `size` fastest orders of each kind still open to it, plus the
-    fastest order of each stage set of the current completion, instead of along every order.
+    fastest order of each stage set of the current completion, instead of along every order. Where
+    ranking every order would take too long (`_MAX_RANKING` steps: large swarms, many stages), nothing is
+    ranked and a microbatch is routed along the first `size` stage sets of the completion only.
     """
 
     ranked: Mapping[tuple[int, int], tuple[Order, ...]]
     round_trip: Mapping[int, float]
+    space: SequenceSpace
     size: int = 16
 
     @classmethod
     def of(cls, view: SwarmView, space: SequenceSpace) -> Shortlist:
         """Rank by exact unloaded round trip: links both ways plus forward and backward compute."""
         links, fwd, work = view.link_s, view.forward_s, 1.0 + view.backward_factor
+        replicas = (view.n_nodes - len(view.data_nodes)) / view.n_stages
+        steps = len(view.data_nodes) * sum(map(len, space.kinds)) * space.k * replicas**2
+        if steps > _MAX_RANKING:
+            return cls(MappingProxyType({}), MappingProxyType(_round_trip_estimates(view, space.k)), space)
         ranked, best = {}, {}
         for d in view.data_nodes:
             for kind, orders in enumerate(space.kinds):
@@ -76,10 +86,13 @@ class Shortlist:
                 ranked[(d, kind)] = tuple(order for _, order in costs)
                 if kind == 0:
                     best[d] = costs[0][0] + (work + view.head_factor) * fwd[d]
-        return cls(MappingProxyType(ranked), MappingProxyType(best))
+        return cls(MappingProxyType(ranked), MappingProxyType(best), space)
 
     def options(self, d: int, completion: Completion) -> list[tuple[int, Order]]:
         """(kind, order) pairs to route a microbatch of data node d along."""
+        if not self.ranked:
+            firsts = list(dict.fromkeys(completion))[: self.size]
+            return sorted({(kind, self.space.by_set[kind][stages][0]) for kind, stages in firsts})
         chosen = []
         for kind in sorted({kind for kind, _ in completion}):
             ranked = self.ranked[(d, kind)]
@@ -87,6 +100,20 @@ class Shortlist:
             for stages in {s for k, s in completion if k == kind}:
                 chosen.append((kind, next(order for order in ranked if frozenset(order) == stages)))
         return sorted(set(chosen))
+
+
+def _round_trip_estimates(view: SwarmView, k: int) -> dict[int, float]:
+    """Per data node, k times its mean over the stages of the cheapest round trip to a replica and back,
+    plus its own compute: a cheap stand-in for the fastest unloaded round trip."""
+    links, fwd, work = view.link_s, view.forward_s, 1.0 + view.backward_factor
+    out = {}
+    for d in view.data_nodes:
+        hops = [
+            min(links[d][y] + links[y][d] + work * fwd[y] for y in view.stages[stage])
+            for stage in range(1, view.n_stages + 1)
+        ]
+        out[d] = k * sum(hops) / len(hops) + (work + view.head_factor) * fwd[d]
+    return out
 
 
 def greedy_paths(
@@ -101,7 +128,9 @@ def greedy_paths(
     shortlist: Shortlist | None = None,
 ) -> Paths:
     """One construction pass. With `aware` False every node looks idle when timing a path (no collision
-    avoidance); memory is still minded, with each path's holds timed as if it were alone."""
+    avoidance) and, as in the reference planner without its collision constraint, no replica takes more
+    than an even share of its stage's visits; memory is still minded, each path's holds timed as if it
+    were alone."""
     shortlist = shortlist or Shortlist.of(view, space)
     planner = _Planner(view, rules, space, rng, slack, aware, shortlist)
     m = rules.microbatches_per_data_node
@@ -153,6 +182,13 @@ class _Planner:
         self.counts = [0] * (view.n_stages + 1)
         self.timelines = [Timeline() for _ in range(view.n_nodes)]
         self.idle = Timeline()
+        self.visits = [0] * view.n_nodes
+        share = math.ceil(self.n_mb * space.k / view.n_stages)  # visits per stage, at most
+        self.caps = (
+            None
+            if aware
+            else [math.ceil(share / len(view.stages[view.stage_of[v]])) for v in range(view.n_nodes)]
+        )
 
     def plan(self, d: int, release: float) -> _Candidate:
         """Choose and reserve the path of data node d's microbatch released at `release`."""
@@ -165,6 +201,8 @@ class _Planner:
         chosen = self._choose(options)
         for stage in chosen.stages:
             self.counts[stage] += 1
+        for node in chosen.nodes:
+            self.visits[node] += 1
         for node, start, end in chosen.tasks:
             self.timelines[node].reserve(start, end)
         for node, start, end in chosen.holds:
@@ -186,9 +224,19 @@ class _Planner:
         else:
             before = self._forward(d, release, prefix[:-1], layers)
             layer = {}
-            for y in self.view.stages[prefix[-1]]:
+            arrivals = {}
+            open_replicas = [
+                y for y in self.view.stages[prefix[-1]] if self.caps is None or self.visits[y] < self.caps[y]
+            ]
+            for y in open_replicas if before else ():
                 x = min(before, key=lambda x: before[x][0] + links[x][y])
-                arrive = before[x][0] + links[x][y]
+                arrivals[y] = (before[x][0] + links[x][y], x)
+            replicas = list(arrivals)
+            if len(replicas) > _WIDTH:  # keep the replicas that look soonest done, counting their load
+                loads = {y: fwd[y] * (1 + len(self._look(y).holds)) for y in replicas}
+                replicas = sorted(replicas, key=lambda y: (arrivals[y][0] + loads[y], y))[:_WIDTH]
+            for y in replicas:
+                arrive, x = arrivals[y]
                 timeline = self._look(y)
                 begin = timeline.earliest_start(timeline.slot_free(arrive, memory), fwd[y])
                 layer[y] = (begin + fwd[y], (*before[x][1], (y, begin)))

@@ -9,16 +9,23 @@ one stage per path there is nothing to swap and no path is CheckFree+.
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protocols.errors import LocalProtocolError
-from protocols.skippipe.rules import PathRules
+from protocols.skippipe.rules import PathRules, order_violations
 
 Order = tuple[int, ...]
+_Pool = tuple[
+    tuple[frozenset[int], ...], Mapping[frozenset[int], object], frozenset[int]
+]  # sets, lookup, required
 _ATTEMPTS = 8
+_MAX_SETS = 400  # stage sets beyond which only edge swaps are enumerated
+_SAMPLE = 48  # stage sets scored per path when filling from a larger choice
 
 
 def is_checkfree_plus(order: Sequence[int], n_stages: int) -> bool:
@@ -40,6 +47,7 @@ class SequenceSpace:
     rules: PathRules
     kinds: tuple[frozenset[Order], ...]
     by_set: tuple[dict[frozenset[int], tuple[Order, ...]], ...] = field(init=False, repr=False, compare=False)
+    pools: tuple[_Pool, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         grouped = []
@@ -49,11 +57,20 @@ class SequenceSpace:
                 sets[frozenset(order)].append(order)
             grouped.append({stages: tuple(sets[stages]) for stages in sorted(sets, key=sorted)})
         object.__setattr__(self, "by_set", tuple(grouped))
+        pools = [
+            (tuple(sets), sets, frozenset.intersection(*sets) if sets else frozenset()) for sets in grouped
+        ]
+        object.__setattr__(self, "pools", tuple(pools))
 
     @classmethod
     def of(cls, n_stages: int, rules: PathRules) -> SequenceSpace:
+        """Every allowed order, or, where there are more than `_MAX_SETS` stage sets (16 stages with 12 per
+        path have 60,276 orders), each set in stage order plus its orders that swap edge pairs only."""
         k = rules.stages_per_path(n_stages)
-        orders = list(_orders(n_stages, k, rules))
+        if math.comb(n_stages, k) > _MAX_SETS:
+            orders = list(_edge_orders(n_stages, k, rules))
+        else:
+            orders = list(_orders(n_stages, k, rules))
         reached = {stage for order in orders for stage in order}
         unreachable = sorted(set(range(1, n_stages + 1)) - reached)
         if unreachable:
@@ -73,6 +90,11 @@ class SequenceSpace:
             frozenset(by_swaps[swaps]) for swaps in ((True, False), (False, True)) if by_swaps[swaps]
         )
         return cls(n_stages, rules, (plain, *edge))
+
+    @property
+    def k(self) -> int:
+        """Transformer stages per path."""
+        return self.rules.stages_per_path(self.n_stages)
 
     def kind_of(self, order: Order) -> int | None:
         """The kind whose orders include `order`, None if no kind does."""
@@ -103,7 +125,7 @@ class SequenceSpace:
         iteration of `n_microbatches` into balance, or None if this greedy attempt finds none."""
         k = self.rules.stages_per_path(self.n_stages)
         low, extra = divmod(n_microbatches * k, self.n_stages)
-        return _fill([list(self.by_set[kind]) for kind in kinds], list(counts), low, extra, rng)
+        return _fill([self.pools[kind] for kind in kinds], list(counts), low, extra, rng)
 
 
 def _orders(n_stages: int, k: int, rules: PathRules) -> Iterator[Order]:
@@ -125,8 +147,30 @@ def _orders(n_stages: int, k: int, rules: PathRules) -> Iterator[Order]:
     yield from extend((), 0, 0, 0)
 
 
+def _edge_orders(n_stages: int, k: int, rules: PathRules) -> Iterator[Order]:
+    """For each set of k stages that rule 4 allows in stage order: that order, and the same with the
+    first pair `(1, 2)`, the last pair `(s-1, s)` or both swapped, where the set holds them and rule 4
+    allows it."""
+    for chosen in itertools.combinations(range(1, n_stages + 1), k):
+        if order_violations(chosen, rules):
+            continue
+        yield chosen
+        front = chosen[:2] == (1, 2)
+        back = chosen[-2:] == (n_stages - 1, n_stages) and k >= (4 if front else 2)
+        for swap_front, swap_back in ((True, False), (False, True), (True, True)):
+            if (swap_front and not front) or (swap_back and not back):
+                continue
+            order = list(chosen)
+            if swap_front:
+                order[0], order[1] = order[1], order[0]
+            if swap_back:
+                order[-1], order[-2] = order[-2], order[-1]
+            if not order_violations(order, rules):
+                yield tuple(order)
+
+
 def _fill(
-    candidates: list[list[frozenset[int]]], counts: list[int], low: int, extra: int, rng: random.Random
+    candidates: list[_Pool], counts: list[int], low: int, extra: int, rng: random.Random
 ) -> list[frozenset[int]] | None:
     """Per path (most constrained first) the allowed stage set whose stages need visits most, such that
     every stage ends with `low` or `low + 1` visits and at most `extra` stages with `low + 1`."""
@@ -134,12 +178,12 @@ def _fill(
     if any(c > low + 1 for c in counts[1:]) or sum(1 for c in counts[1:] if c == low + 1) > extra:
         return None
     chosen: list[frozenset[int] | None] = [None] * len(candidates)
-    order = sorted(range(len(candidates)), key=lambda i: (len(candidates[i]), rng.random()))
+    order = sorted(range(len(candidates)), key=lambda i: (len(candidates[i][0]), rng.random()))
     for done, i in enumerate(order):
         left_after = len(candidates) - done - 1
         at_high = sum(1 for c in counts if c == low + 1)
         best, best_score = None, -1.0
-        for stages in candidates[i]:
+        for stages in _choice(candidates[i], counts, rng):
             raised = sum(1 for stage in stages if counts[stage] == low)
             if any(counts[stage] > low for stage in stages) or at_high + raised > extra:
                 continue
@@ -156,3 +200,16 @@ def _fill(
     if any(c < low for c in counts[1:]):
         return None
     return [stages for stages in chosen if stages is not None]
+
+
+def _choice(pool: _Pool, counts: list[int], rng: random.Random) -> Sequence[frozenset[int]]:
+    """The pool's sets, or where it has more than `_SAMPLE`, a seeded sample of them plus the set made of
+    the kind's required stages and the stages that need visits most (scoring every set of a large space
+    for every path is too slow)."""
+    sets, allowed, required = pool
+    if len(sets) <= _SAMPLE:
+        return sets
+    k = len(sets[0])
+    others = sorted(set(range(1, len(counts))) - required, key=lambda stage: (counts[stage], rng.random()))
+    neediest = required | frozenset(others[: k - len(required)])
+    return [neediest, *rng.sample(sets, _SAMPLE)] if neediest in allowed else rng.sample(sets, _SAMPLE)
