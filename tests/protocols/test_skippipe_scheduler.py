@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -219,3 +221,38 @@ def test_mixing_replicas_keeps_every_load_and_moves_data_nodes_off_their_lanes()
         seen |= {(path[0], path[1]) for path in mixed.values()}
     assert seen == {(0, 2), (0, 3), (1, 2), (1, 3)}  # every data node reached every replica
     assert mix_replicas(lanes, view, random.Random(3)) == mix_replicas(lanes, view, random.Random(3))
+
+
+def test_dtfm_with_skips_keeps_each_data_nodes_pipeline_in_stage_order() -> None:
+    view, rules = small_swarm()
+    rules = dataclasses.replace(rules, skip_ratio=0.25)  # 3 of 4 stages per path
+    pipelines = {path[0]: set(path[1:-1]) for path in full_pipeline_plan(view, rules).paths.values()}
+    plan = skips_without_collision_awareness(view, rules, 0)
+    assert validate_plan(plan, view, rules) == []
+    for path in plan.paths.values():
+        assert set(path[1:-1]) <= pipelines[path[0]]
+        stages = [view.stage_of[node] for node in path[1:-1]]
+        assert stages == sorted(stages)
+    assert len(set(stage_orders(view, dict(plan.paths)))) > 1  # microbatches skip different stages
+
+
+def test_without_collision_avoidance_no_replica_takes_more_than_its_share() -> None:
+    view = random_view(random.Random(6), 3, [4, 2, 3, 4])
+    rules = PathRules(microbatches_per_data_node=6, skip_ratio=0.25)  # 3 of 4 stages, 54 visits
+    plan = skippipe_without_collision_avoidance(view, rules, 0)
+    assert validate_plan(plan, view, rules) == []
+    visits = collections.Counter(node for path in plan.paths.values() for node in path[1:-1])
+    for stage in view.stages[1:]:
+        share = math.ceil(math.ceil(18 * 3 / 4) / len(stage))  # ceil(stage visits / replicas)
+        assert all(visits[node] <= share for node in stage), (stage, visits)
+
+
+def test_a_large_swarm_of_sixteen_stages_gets_a_valid_plan() -> None:
+    """16 stages of 10 replicas, 12 stages per path: 60,276 allowed orders and a replica choice too large
+    to search whole; the planner keeps to edge swaps, samples the balance fill and prunes replicas."""
+    view = random_view(random.Random(8), 3, [10] * 16)
+    rules = PathRules(microbatches_per_data_node=4, skip_ratio=0.25, checkfree_plus_share=0.5)
+    plan = schedule(view, rules, 0, **QUICK)
+    assert validate_plan(plan, view, rules) == []
+    assert plan.iteration_time_s < full_pipeline_plan(view, rules).iteration_time_s
+    assert any(is_checkfree_plus(order, 16) for order in stage_orders(view, dict(plan.paths)))
