@@ -16,11 +16,14 @@ Every method trains the same tokens: replica i reads shard i of 8 of the trainin
   `protocols.noloco.match_replicas` on `pairing_seed` and step with `noloco_outer_step` (alpha 0.5,
   beta = gamma 0.7).
 - `no_sync`: 8 replicas, fixed routing, never averaged.
+- with `--ablation`, also `noloco_fixed_routing`: NoLoCo's outer step with each replica's own pipeline, to
+  separate the pairing from the random routing.
 
 Reported per seed: validation loss of the replica-averaged model and mean over the replicas' own pipelines,
 the relative weight spread between replicas, and the synchronisation cost (`_exchange`: one exchange of a
 stage's phi and theta over the real transport, against a tree all-reduce of log2(n) such rounds computed
-from the measurement). H is scaled down to the run length (the `tiny` preset's H = 10).
+from the measurement). H is scaled down to the run length (the `tiny` preset's H = 10); the model is two
+stages of one layer (`SHAPE`), 8 sequences of 64 tokens per replica and step, peak inner lr `--lr`.
 
     python benchmarks/repro/noloco_vs_diloco.py --quick --json out.json --plot out.png
 """
@@ -53,8 +56,9 @@ from swarmnode.optim import Schedule
 from swarmnode.presets import get_preset
 
 METHODS = ("data_parallel", "diloco", "noloco", "no_sync")
+ABLATION = ("noloco_fixed_routing",)
 SHAPE = Shape(n_layers=2, batch_size=8)  # two stages of one layer, as the paper's 8 replicas x 2 stages
-LR = 1e-3  # the tiny preset's 3e-3 made 8-way local training noise-bound (see docs/reproduction.md)
+LR = 1e-3  # peak inner lr; the tiny preset's 3e-3 is compared in docs/reproduction.md (`--lr`)
 CLAIM = (
     "NoLoCo (pairwise averaging with one random replica, random routing) ends at a loss at least as good as "
     "DiLoCo (all-reduce outer step), both behind data parallel; replicas stay close; a pairwise exchange "
@@ -80,12 +84,14 @@ MODES = {
 }
 
 
-def train(method: str, seed: int, mode: Mode, shape: Shape, n: int) -> dict[str, float | list[float]]:
+def train(
+    method: str, seed: int, mode: Mode, shape: Shape, n: int, lr: float
+) -> dict[str, float | list[float]]:
     """Train one method for one seed; its final figures and the averaged model's loss curve."""
     data = corpus()
     config = shape.model(data)
     n_stages = shape.n_layers
-    schedule = Schedule(LR, get_preset("tiny").warmup_steps, mode.steps)
+    schedule = Schedule(lr, get_preset("tiny").warmup_steps, mode.steps)
     replicas = Replicas(config, n_stages, 1 if method == "data_parallel" else n, seed, schedule)
     streams = [stream(data, shape, seed, (i, n)) for i in range(n)]
     fixed = validation(data, shape, mode.val_batches)
@@ -105,7 +111,7 @@ def train(method: str, seed: int, mode: Mode, shape: Shape, n: int) -> dict[str,
             else:
                 replicas.forward_backward(i, _hops(perms, i, n_stages), batch, 1.0)
         replicas.step()
-        if method == "noloco" and step % noloco.inner_steps == 0:
+        if method.startswith("noloco") and step % noloco.inner_steps == 0:
             _noloco_outer(replicas, noloco, phi, delta, step // noloco.inner_steps)
         if method == "diloco" and step % diloco.inner_steps == 0:
             _diloco_outer(replicas, diloco, phi, delta)
@@ -235,6 +241,8 @@ def main() -> None:
     speed.add_argument("--smoke", action="store_true", help="seconds: for the test only")
     parser.add_argument("--seeds", type=int, help="number of seeds (0, 1, ...); default by mode")
     parser.add_argument("--replicas", type=int, default=8, help="replicas per stage (at least 8)")
+    parser.add_argument("--lr", type=float, default=LR, help=f"peak inner learning rate (default {LR})")
+    parser.add_argument("--ablation", action="store_true", help="also NoLoCo with fixed routing")
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     args = parser.parse_args()
@@ -245,12 +253,13 @@ def main() -> None:
     mode, shape, n = MODES[name], SHAPE, args.replicas
     seeds = list(range(args.seeds if args.seeds is not None else mode.seeds))
     started = time.perf_counter()
-    final: dict[str, dict[str, list[float]]] = {m: {} for m in METHODS}
-    curves: dict[str, list[list[float]]] = {m: [] for m in METHODS}
+    methods = METHODS + ABLATION if args.ablation else METHODS
+    final: dict[str, dict[str, list[float]]] = {m: {} for m in methods}
+    curves: dict[str, list[list[float]]] = {m: [] for m in methods}
     for seed in seeds:
-        for method in METHODS:
+        for method in methods:
             tick = time.perf_counter()
-            out = train(method, seed, mode, shape, n)
+            out = train(method, seed, mode, shape, n, args.lr)
             for key, value in out.items():
                 if key == "curve":
                     curves[method].append(value)  # type: ignore[arg-type]
@@ -269,7 +278,7 @@ def main() -> None:
             ("replicas", "val loss, mean of replicas"),
             ("spread", "relative weight spread"),
         )
-        for m in METHODS
+        for m in methods
     ]
     sync_table, sync = sync_rows(mode, shape, n, len(seeds))
     rows += sync_table
@@ -288,16 +297,16 @@ def main() -> None:
             "stages": shape.n_layers,
             "seq_len": shape.seq_len,
             "batch_per_replica": shape.batch_size,
-            "lr": LR,
+            "lr": args.lr,
         },
         perplexity_vs_data_parallel={
-            m: math.exp(statistics.fmean(final[m]["replicas"]) - dp) for m in METHODS
+            m: math.exp(statistics.fmean(final[m]["replicas"]) - dp) for m in methods
         },
         paper={
             "setting": "125M, 8 replicas x 2 stages, Reddit",
             "perplexity": {"data_parallel": 25.5, "diloco": 27.6, "noloco": 27.2},
         },
-        worst_replica={m: final[m]["worst"] for m in METHODS},
+        worst_replica={m: final[m]["worst"] for m in methods},
         curves={"every_steps": 2 * mode.inner_steps, "val_loss_averaged_model": curves},
         sync=sync,
         seconds=round(time.perf_counter() - started, 1),
