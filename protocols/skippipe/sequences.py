@@ -25,7 +25,7 @@ _Pool = tuple[
 ]  # sets, lookup, required
 _ATTEMPTS = 8
 _MAX_SETS = 400  # stage sets beyond which only edge swaps are enumerated
-_SAMPLE = 48  # stage sets scored per path when filling from a larger choice
+_SAMPLE = 256  # stage sets scored per path when filling from a larger choice
 
 
 def is_checkfree_plus(order: Sequence[int], n_stages: int) -> bool:

@@ -31,13 +31,27 @@ from protocols.skippipe import schedule as plan_skippipe
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the scheduler and baselines.")
-def schedule(scenario_path: Path, as_json: bool, seed: int) -> None:
+@click.option(
+    "--restarts",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Planner constructions (fewer: faster, plans a little slower).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=0),
+    default=600,
+    show_default=True,
+    help="Planner improvement steps (fewer: faster, plans a little slower).",
+)
+def schedule(scenario_path: Path, as_json: bool, seed: int, restarts: int, rounds: int) -> None:
     """Plan one iteration with SkipPipe and print each method's expected iteration time."""
     scenario = _load(scenario_path)
     view, rules = scenario.view, scenario.rules
     started = time.perf_counter()
     try:
-        plan = plan_skippipe(view, rules, seed)
+        plan = plan_skippipe(view, rules, seed, restarts=restarts, rounds=rounds)
     except LocalProtocolError as error:
         raise click.BadParameter(
             f"cannot plan this scenario: {error.reason}", param_hint="--scenario"

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from protocols.skippipe import scenario_from_dict
+from protocols.skippipe import schedule as plan_skippipe
 from swarmnode.cli.schedule import schedule
 
 SCENARIO = Path(__file__).parents[2] / "benchmarks" / "data" / "gcp12_links.json"
@@ -63,3 +65,13 @@ def test_bad_scenario_files_are_usage_errors(tmp_path: Path, content: str | None
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and needle in errors[0] and "--scenario" in errors[0]
     assert "Traceback" not in result.output
+
+
+def test_planner_effort_options_reach_the_planner() -> None:
+    args = ["--scenario", str(SCENARIO), "--json", "--restarts", "1", "--rounds", "0"]
+    result = CliRunner().invoke(schedule, args)
+    assert result.exit_code == 0, result.output
+    scenario = scenario_from_dict(json.loads(SCENARIO.read_text()))
+    quick = plan_skippipe(scenario.view, scenario.rules, 0, restarts=1, rounds=0)
+    assert json.loads(result.output)["paths"] == quick.as_dict()
+    assert CliRunner().invoke(schedule, ["--scenario", str(SCENARIO), "--restarts", "0"]).exit_code == 2
