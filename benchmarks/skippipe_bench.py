@@ -81,6 +81,7 @@ def main() -> None:
     _table(
         "random 40-node heterogeneous swarm (seed 40), 1.76 s forward x 0.5-2", view, rules, {}, seeds, old
     )
+    _effort(data, seeds, old)
     if not args.no_scaling:
         _scaling(data, old)
 
@@ -178,6 +179,39 @@ def _table(
             f"{statistics.fmean(plan.collisions for plan, _, _ in runs):>12.1f}"
             f"{statistics.fmean(w for _, w, _ in runs):>9.0f}{statistics.fmean(c for _, _, c in runs):>8.0f}"
         )
+
+
+def _effort(data: dict[str, Any], seeds: range, old: ModuleType | None) -> None:
+    """Planner effort (restarts, rounds) against plan quality on the reference scenario as written, at 1.76
+    and 0.44 s forward; ratios to the default effort (and to the old planner's default) in this run."""
+    print("\nplanner effort on the reference scenario (mean over seeds; cpu per plan)")
+    print(
+        f"{'restarts, rounds':<20}{'1.76 s fwd: s':>14}{'0.44 s fwd: s':>14}{'cpu ms':>8}{'vs default':>12}",
+        end="",
+    )
+    print(f"{'vs old: s':>10}{'cpu':>7}" if old is not None else "")
+    scenario = scenario_from_dict(data)
+    fast = dataclasses.replace(scenario.view, forward_s=tuple(0.44 for _ in scenario.view.forward_s))
+    efforts: list[tuple[str, Method]] = [
+        (f"{r}, {n}", lambda v, rules, seed, r=r, n=n: schedule(v, rules, seed, restarts=r, rounds=n))
+        for r, n in ((4, 600), (3, 300), (2, 250), (2, 60), (1, 0))
+    ]
+    if old is not None:
+        efforts.insert(0, ("old planner 4, 600", _old_method(old)))
+    rows = {}
+    for label, method in efforts:
+        runs = [_timed(method, v, scenario.rules, seed) for v in (scenario.view, fast) for seed in seeds]
+        slow_s = statistics.fmean(plan.iteration_time_s for plan, _, _ in runs[: len(seeds)])
+        fast_s = statistics.fmean(plan.iteration_time_s for plan, _, _ in runs[len(seeds) :])
+        rows[label] = (slow_s, fast_s, statistics.fmean(cpu for _, _, cpu in runs))
+    default = rows["4, 600"]
+    for label, (slow_s, fast_s, cpu) in rows.items():
+        line = f"{label:<20}{slow_s:>14.2f}{fast_s:>14.2f}{cpu:>8.0f}{cpu / default[2]:>12.3f}"
+        if old is not None:
+            base = rows["old planner 4, 600"]
+            quality = (slow_s / base[0] + fast_s / base[1]) / 2
+            line += f"{quality:>10.3f}{cpu / base[2]:>7.3f}"
+        print(line, flush=True)
 
 
 def _scaling(data: dict[str, Any], old: ModuleType | None) -> None:
