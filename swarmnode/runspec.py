@@ -15,6 +15,7 @@ from typing import Any
 from swarmnode.presets import get_preset
 
 COMPRESSIONS = ("none", "float16")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `precision.DTYPES`, without importing torch here
 
 
 class RunSpecError(ValueError):
@@ -47,6 +48,7 @@ class RunSpec:
     noloco_gamma: float = 0.7
     copy_refresh_steps: int = 10
     compression: str = "none"
+    dtype: str = "float32"  # the run's default compute dtype, and how activations travel (`precision`)
     hop_timeout_s: float = 10.0
     iteration_timeout_s: float = 30.0
     record_period_s: float = 1.0
@@ -111,6 +113,8 @@ class RunSpec:
             raise RunSpecError(
                 f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
             )
+        if self.dtype not in DTYPE_NAMES:
+            raise RunSpecError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.record_ttl_s <= self.record_period_s:
             raise RunSpecError("record_ttl_s must exceed record_period_s")
 

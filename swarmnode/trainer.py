@@ -20,6 +20,7 @@ from swarmnode.hf import SplitStateDicts
 from swarmnode.modeldir import check_shape, load_pieces, read_model_folder, write_model_folder
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import DataPiece, build_piece
+from swarmnode.precision import Precision
 from swarmnode.presets import Preset, get_preset
 
 
@@ -37,6 +38,8 @@ class TrainConfig:
     eval_batches: int | None = None  # None: the standard validation set (`data.validation_set`)
     init_from: Path | None = None  # a Hugging Face Llama folder to start from (`modeldir`), not the seed
     out: Path | None = None  # where to write the trained model as a Hugging Face folder
+    device: str = "cpu"  # `precision.resolve_device`: auto, cpu, cuda, cuda:N, mps
+    dtype: str = "float32"  # compute dtype under autocast; weights and optimizer state stay float32
 
 
 @dataclass(frozen=True)
@@ -63,16 +66,20 @@ class TrainResult:
 
 
 def evaluate(
-    data: DataPiece, stages: list[torch.nn.Module], fixed: list[tuple[torch.Tensor, torch.Tensor]]
+    data: DataPiece,
+    stages: list[torch.nn.Module],
+    fixed: list[tuple[torch.Tensor, torch.Tensor]],
+    precision: Precision | None = None,
 ) -> float:
     """Mean loss over fixed validation batches, without gradients."""
-    with torch.no_grad():
+    precision = precision or Precision()
+    with torch.no_grad(), precision.autocast():
         losses = []
         for inputs, targets in fixed:
-            hidden = data.embed(inputs)
+            hidden = data.embed(inputs.to(precision.device))
             for stage in stages:
                 hidden = stage(hidden)
-            losses.append(float(data.loss(hidden, targets)))
+            losses.append(float(data.loss(hidden, targets.to(precision.device))))
     return sum(losses) / len(losses)
 
 
@@ -90,6 +97,7 @@ def train(
     n_stages = config.stages if config.stages is not None else preset.n_stages
     corpus = corpus or load_corpus(config.data, config.tokenizer, preset.vocab_size)
     model_config = replace(preset.model, vocab_size=corpus.vocab_size)
+    precision = Precision.parse(config.device, config.dtype)
     torch.manual_seed(config.seed)
 
     pieces = [build_piece(model_config, k, n_stages, seed=config.seed) for k in range(n_stages + 1)]
@@ -97,17 +105,19 @@ def train(
         found, split = read_model_folder(config.init_from, n_stages)
         check_shape(found, model_config, f"preset {config.preset!r} with this tokenizer")
         load_pieces(pieces, split)
+    pieces = [piece.to(precision.device) for piece in pieces]
     data_piece = cast(DataPiece, pieces[0])
     stages = pieces[1:]
     schedule = Schedule(preset.lr, preset.warmup_steps, config.steps)
     optimizers = [StageOptimizer(piece, schedule) for piece in pieces]
+    scaler = precision.scaler()  # float16: one loss scale for the whole model, as in a single process
 
     fixed_val = (
         validation_set(corpus.val_tokens, preset.batch_size, preset.seq_len)
         if config.eval_batches is None
         else val_batches(corpus.val_tokens, preset.batch_size, preset.seq_len, config.eval_batches)
     )
-    initial_val = evaluate(data_piece, stages, fixed_val)
+    initial_val = evaluate(data_piece, stages, fixed_val, precision)
     val_loss = initial_val
     # what the data node of a swarm with one data node reads, in the same order, so that a swarm and this
     # trainer with the same seed see the same batches (their losses are then compared pairwise)
@@ -122,15 +132,16 @@ def train(
         tick = time.perf_counter()
         step_loss = 0.0
         for _ in range(preset.microbatches):
-            inputs, targets = next(stream)
-            hidden = data_piece.embed(inputs)
-            for stage in stages:
-                hidden = stage(hidden)
-            loss = data_piece.loss(hidden, targets)
-            (loss / preset.microbatches).backward()
+            inputs, targets = (t.to(precision.device) for t in next(stream))
+            with precision.autocast():
+                hidden = data_piece.embed(inputs)
+                for stage in stages:
+                    hidden = stage(hidden)
+                loss = data_piece.loss(hidden, targets)
+            (loss.float() * (scaler.scale / preset.microbatches)).backward()
             step_loss += float(loss.detach()) / preset.microbatches
-        for optimizer in optimizers:
-            optimizer.step()
+        norms = [optimizer.step(1.0 / scaler.scale) for optimizer in optimizers]
+        scaler.update(overflowed=not all(math.isfinite(norm) for norm in norms))
         compute_seconds += time.perf_counter() - tick
         losses.append(step_loss)
         if not math.isfinite(losses[-1]):
@@ -139,7 +150,7 @@ def train(
         last = step == config.steps - 1
         evaluated = (step + 1) % config.eval_every == 0 or last
         if evaluated:
-            val_loss = evaluate(data_piece, stages, fixed_val)
+            val_loss = evaluate(data_piece, stages, fixed_val, precision)
         if on_progress is not None:
             on_progress(
                 Progress(
@@ -151,6 +162,8 @@ def train(
             )
 
     if config.out is not None:
+        for piece in pieces:
+            piece.to("cpu")
         split = SplitStateDicts(
             data_piece.embedding.state_dict(), [s.state_dict() for s in stages], data_piece.head.state_dict()
         )

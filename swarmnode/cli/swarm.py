@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.data import DataError, load_corpus
 from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable, RunNotFound, read_initial_peers
 from swarmnode.identity import Identity, IdentityError, public_key_of
@@ -105,6 +106,7 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option("--skip-ratio", type=click.FloatRange(0.0, 1.0, max_open=True), default=None)
 @click.option("--noloco-every", type=click.IntRange(min=1), default=None, help="NoLoCo inner steps H.")
 @click.option("--compression", type=click.Choice(["none", "float16"]), default=None)
+@dtype_option("The run's compute dtype, and the dtype activations travel in (default: float32).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True)
 @click.option("--public", is_flag=True, help="Opt in to NAT port mapping (real deployments only).")
@@ -126,6 +128,7 @@ def bootstrap(
     skip_ratio: float | None,
     noloco_every: int | None,
     compression: str | None,
+    dtype: str | None,
     host: str,
     port: int,
     public: bool,
@@ -156,6 +159,7 @@ def bootstrap(
             skip_ratio=skip_ratio,
             noloco_inner_steps=noloco_every,
             compression=compression,
+            dtype=dtype,
         )
         corpus = load_corpus(spec.data, None, spec.vocab_size)
     except (RunSpecError, ValueError, DataError) as error:
@@ -229,6 +233,8 @@ def _shard(value: str | None) -> tuple[int, int] | None:
     help="Data nodes: after the run's last step, stay online until stopped, serving the final weights "
     "(to `swarmnode export`).",
 )
+@device_option
+@dtype_option("This node's compute dtype (autocast; weights stay float32). Default: the run's.")
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
 @click.option("-v", "--verbose", is_flag=True)
 def join(
@@ -246,6 +252,8 @@ def join(
     identity: Path | None,
     run_owners: tuple[str, ...],
     linger: bool,
+    device: str,
+    dtype: str | None,
     dump_recovery: Path | None,
     verbose: bool,
 ) -> None:
@@ -254,6 +262,7 @@ def join(
 
     _logging(verbose)
     stage_id = _stage(stage)
+    device_or_fail(device)
     options = JoinOptions(
         run_id=run_id,
         stage=stage_id,
@@ -270,6 +279,8 @@ def join(
         identity=_identity_or_fail(identity),
         run_owners=_owners_or_fail(run_owners),
         linger=linger,
+        device=device,
+        dtype=dtype,
     )
     try:
         code = _run_async(run_join(options))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.options import (
     init_from_or_fail,
     init_tokenizer_or_fail,
@@ -48,6 +49,8 @@ from swarmnode.trainer import train as run_training
     metavar="DIR",
     help="Write the trained model here as a Hugging Face folder (as `swarmnode export` does).",
 )
+@device_option
+@dtype_option("Compute dtype (autocast; weights stay float32).", default="float32")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def train(
     preset: str,
@@ -59,9 +62,12 @@ def train(
     eval_every: int,
     init_from: Path | None,
     out: Path | None,
+    device: str,
+    dtype: str,
     as_json: bool,
 ) -> None:
     """Train a preset in this one process, through the same stage pieces the daemons run."""
+    device_or_fail(device)
     chosen = preset_or_fail(preset)
     n_stages = stages_or_fail(chosen, stages)
     out_folder_or_fail(out)
@@ -69,7 +75,9 @@ def train(
         tokenizer = init_tokenizer_or_fail(init_from)
     corpus = load_corpus_or_fail(data, tokenizer, chosen.vocab_size)
     init_from_or_fail(init_from, replace(chosen.model, vocab_size=corpus.vocab_size), chosen.name)
-    config = TrainConfig(preset, n_stages, steps, data, tokenizer, seed, eval_every, None, init_from, out)
+    config = TrainConfig(
+        preset, n_stages, steps, data, tokenizer, seed, eval_every, None, init_from, out, device, dtype
+    )
 
     with click.progressbar(length=steps, label="training", file=sys.stderr, show_pos=True) as bar:
 

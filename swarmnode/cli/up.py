@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.options import preset_or_fail, stages_or_fail
 from swarmnode.launcher import (
     FAIL_RATE_UNIT,
@@ -125,6 +126,8 @@ class FiniteFloatRange(click.FloatRange):
     help="End the run as failed when no data node reports a new step for this many seconds, counted from "
     "the nodes' start (0: never).",
 )
+@device_option
+@dtype_option("The run's compute dtype (autocast; weights stay float32).", default="float32")
 def up(
     preset: str,
     stages: int | None,
@@ -141,11 +144,14 @@ def up(
     run_id: str,
     timeout: float | None,
     stall_timeout: float,
+    device: str,
+    dtype: str,
 ) -> None:
     """Start a whole swarm on this machine (a bootstrap peer, data nodes, stage nodes with replicas, each its
     own process on loopback), train, inject failures, and write DIR/report.json and DIR/loss.png; print a
     one-line summary of the run, whatever its outcome."""
     n_stages = stages_or_fail(preset_or_fail(preset), stages)
+    device_or_fail(device)
     if calm:
         kills, fail_rate = (), 0.0
     elif not kills and fail_rate == 0.0 and steps >= 2:
@@ -165,6 +171,8 @@ def up(
         fail_rate=fail_rate,
         kills=kills,
         checkfree_plus=checkfree_plus,
+        device=device,
+        dtype=dtype,
         respawn_delay=respawn_delay,
         seed=seed,
         run_id=run_id,

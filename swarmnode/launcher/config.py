@@ -30,6 +30,8 @@ class SwarmConfig:
     fail_rate: float = 0.0
     kills: tuple[StageKill, ...] = ()
     checkfree_plus: bool = True
+    device: str = "auto"  # every node's `join --device`
+    dtype: str = "float32"  # the run's compute dtype (`bootstrap --dtype`)
     respawn_delay: float = 2.0
     seed: int = 0
     run_id: str = "swarm"
@@ -57,7 +59,7 @@ class SwarmConfig:
             *self.command, "bootstrap", "--preset", self.preset, "--stages", str(self.stages),
             "--run-id", self.run_id, "--host", "127.0.0.1", "--port", "0",
             "--peers-file", str(self.peers_file), "--steps", str(self.steps), "--seed", str(self.seed),
-            "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus",
+            "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus", "--dtype", self.dtype,
         ]  # fmt: skip
 
     def join_argv(self, stage: int | None, shard: str | None) -> list[str]:
@@ -70,7 +72,7 @@ class SwarmConfig:
         return [
             *self.command, "join", "--stage", "auto" if stage is None else str(stage),
             "--initial-peers", str(self.peers_file), "--run-id", self.run_id, "--threads", str(threads),
-            "--linger", *(["--shard", shard] if shard is not None else []),
+            "--linger", "--device", self.device, *(["--shard", shard] if shard is not None else []),
         ]  # fmt: skip
 
     def export_argv(self) -> list[str]:
@@ -102,6 +104,8 @@ class SwarmConfig:
             "fail_rate_unit": FAIL_RATE_UNIT,
             "kills": [str(kill) for kill in self.kills],
             "checkfree_plus": self.checkfree_plus,
+            "device": self.device,
+            "dtype": self.dtype,
             "respawn_delay": self.respawn_delay,
             "seed": self.seed,
             "run_id": self.run_id,

@@ -35,7 +35,7 @@ from protocols.noloco import OuterConfig, OuterResult, PairingRound, Phase, nolo
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
-from swarmnode.node.state import manifest
+from swarmnode.node.state import manifest, weights
 from swarmnode.transport import Transport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class OuterLoop:
         self.compute = compute
         self.timeout_s = timeout_s
         self.outer_step = 0
-        self.phi: TensorMap = {name: p.detach().clone() for name, p in module.named_parameters()}
+        self.phi: TensorMap = weights(module)  # phi, theta and delta live on the host (`state.weights`)
         self.delta: TensorMap | None = None
         self._round: PairingRound | None = None
         self._theta_snap: TensorMap = {}
@@ -254,14 +254,15 @@ class OuterLoop:
             return False
         with torch.no_grad():
             for name, param in self.module.named_parameters():
-                param.copy_(pending.result.phi[name] + (param - pending.theta_snap[name]))
+                phi, snap = pending.result.phi[name], pending.theta_snap[name]
+                param.copy_(phi.to(param.device) + (param - snap.to(param.device)))
         self.phi = {name: t.clone() for name, t in pending.result.phi.items()}
         self.delta = dict(pending.result.delta)
         self.outer_step = pending.outer_step
         return True
 
     def _snapshot(self) -> TensorMap:
-        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+        return weights(self.module)
 
 
 def _split(manifest: tuple[TensorSpec, ...], tensors: list[Tensor]) -> tuple[TensorMap, TensorMap]:

@@ -51,8 +51,10 @@ from swarmnode.node.events import emit
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.router import Router
 from swarmnode.node.serving import StateServer, request_seconds
+from swarmnode.node.worker import Wire
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import build_piece
+from swarmnode.precision import Precision, parse_dtype, wire_dtypes
 from swarmnode.presets import get_preset
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Compression, Reply, Transport, TransportConfig
@@ -65,14 +67,24 @@ BAN_SECONDS = 60.0
 class Node:
     """State and handlers shared by every node; `StageNode` and `DataNode` add their stage's work."""
 
-    def __init__(self, spec: RunSpec, stage: int, dht: SwarmDHT, direct_host: str | None) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        stage: int,
+        dht: SwarmDHT,
+        direct_host: str | None,
+        precision: Precision | None = None,
+    ) -> None:
+        """`precision`: where and in what dtype this node computes (default: the CPU, the run's dtype)."""
         self.dump_dir: Path | None = None  # where a recovery writes its evidence (tests, debugging)
         self.spec = spec
         self.stage = stage
         self.dht = dht
         self.me = dht.peer_id
+        self.precision = precision or Precision(dtype=parse_dtype(spec.dtype))
+        self.wire = Wire(*wire_dtypes(spec.dtype))
         self.model_config = replace(get_preset(spec.preset).model, vocab_size=spec.vocab_size)
-        self.piece = build_piece(self.model_config, stage, spec.stages, spec.seed)
+        self.piece = build_piece(self.model_config, stage, spec.stages, spec.seed).to(self.precision.device)
         schedule = Schedule(spec.lr, spec.warmup_steps, spec.total_steps)
         self.optimizer = StageOptimizer(self.piece, schedule, spec.max_grad_norm)
         self.compute = ComputeQueue()
@@ -161,7 +173,8 @@ class Node:
             asyncio.create_task(self._every(self.spec.record_period_s, self.refresh_snapshot), name="view"),
             asyncio.create_task(self._every(1.0, self.maybe_step), name="expiry"),
         ]
-        emit("online", stage=self.stage, peer_id=self.me)
+        device, dtype = str(self.precision.device), str(self.precision.dtype).removeprefix("torch.")
+        emit("online", stage=self.stage, peer_id=self.me, device=device, dtype=dtype)
 
     async def wait(self) -> None:
         await self._stopping.wait()

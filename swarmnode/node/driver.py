@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from functools import partial
 
-import torch
 from torch import Tensor
 
 from protocols.messages import Ack, Backward, ErrorCode, Forward, Route, encode
@@ -29,6 +28,7 @@ from swarmnode.node.iteration import Iteration, Microbatch, stale
 from swarmnode.node.liveness import answering
 from swarmnode.node.planning import PlannedMicrobatch, plan_iteration
 from swarmnode.node.worker import DataWorker
+from swarmnode.precision import Overflow, Precision
 from swarmnode.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -50,9 +50,10 @@ class DataNode(Node):
         corpus: Corpus,
         data_shard: tuple[int, int] | None = None,
         eval_every: int = 25,
+        precision: Precision | None = None,
     ) -> None:
-        super().__init__(spec, 0, dht, direct_host)
-        self.worker = DataWorker(self.piece, self.optimizer)
+        super().__init__(spec, 0, dht, direct_host, precision)
+        self.worker = DataWorker(self.piece, self.optimizer, self.precision, self.wire)
         tokens, seed = data_node_tokens(corpus.train_tokens, data_shard, spec.seed, self.me)
         self._batches: Iterator[tuple[Tensor, Tensor]] = batches(tokens, spec.batch_size, spec.seq_len, seed)
         self._validation = validation_set(corpus.val_tokens, spec.batch_size, spec.seq_len)
@@ -308,7 +309,8 @@ class DataNode(Node):
     async def _head(self, iteration: Iteration, mb: Microbatch, message: Forward, hidden: Tensor) -> None:
         key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
         if iteration.evaluation:
-            mb.loss = await self.compute.submit(Priority.FORWARD, lambda: self._eval_loss(hidden, mb.targets))
+            evaluate = partial(self.worker.eval_loss, hidden, mb.targets)
+            mb.loss = await self.compute.submit(Priority.FORWARD, evaluate)
             mb.done = True
             iteration.check()
             return
@@ -319,7 +321,12 @@ class DataNode(Node):
                 return None
             return self.worker.loss_and_grad(hidden, mb.targets, scale)
 
-        result = await self.compute.submit(Priority.BACKWARD, head)
+        try:
+            result = await self.compute.submit(Priority.BACKWARD, head)
+        except Overflow as error:  # this iteration's update is skipped; the loss scale backs off
+            await self._abort_path(iteration, mb, str(error))
+            await self._lose(iteration, mb, key, str(error))
+            return
         if result is None:
             return
         mb.loss, grad = result
@@ -376,7 +383,3 @@ class DataNode(Node):
 
     async def maybe_step(self) -> None:
         """Data nodes step at the end of each iteration (see `train`)."""
-
-    def _eval_loss(self, hidden: Tensor, targets: Tensor) -> float:
-        with torch.no_grad():
-            return float(self.piece.loss(hidden.float(), targets))

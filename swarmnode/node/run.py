@@ -22,6 +22,7 @@ from swarmnode.node.liveness import answering
 from swarmnode.node.orphans import adopt_orphans, end_orphans
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.stage import StageNode
+from swarmnode.precision import Precision
 from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Transport
@@ -56,6 +57,8 @@ class JoinOptions:
     identity: Path | None = None  # where this node's key is kept (None: a fresh key each start)
     run_owners: tuple[str, ...] = ()  # whose run definition to accept (empty: the initial peers')
     linger: bool = False  # a data node that finished the run stays online (serving its weights) until stopped
+    device: str = "auto"  # `precision.resolve_device`
+    dtype: str | None = None  # this node's compute dtype; None: the run's
 
 
 def choose_stage(live: dict[int, list[PeerRecord]]) -> int:
@@ -194,15 +197,16 @@ async def _build_announced(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, s
 
 def _build_node(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) -> Node:
     direct = options.host if options.direct else None
+    precision = Precision.parse(options.device, options.dtype or spec.dtype)
     if stage == 0:
         corpus = load_corpus(spec.data, options.tokenizer, spec.vocab_size)
         if corpus.vocab_size != spec.vocab_size:
             raise ValueError(
                 f"this node's tokenizer has {corpus.vocab_size} tokens, the run's model {spec.vocab_size}"
             )
-        node: Node = DataNode(spec, dht, direct, corpus, options.shard)
+        node: Node = DataNode(spec, dht, direct, corpus, options.shard, precision=precision)
     else:
-        node = StageNode(spec, stage, dht, direct, rebalance=options.rebalance)
+        node = StageNode(spec, stage, dht, direct, rebalance=options.rebalance, precision=precision)
     node.dump_dir = options.dump_recovery
     return node
 

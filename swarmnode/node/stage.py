@@ -8,7 +8,6 @@ import logging
 import math
 import time
 
-import torch
 from torch import Tensor
 
 from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
@@ -19,6 +18,7 @@ from swarmnode.node.compute import Priority
 from swarmnode.node.daemon import Node
 from swarmnode.node.liveness import live_peers
 from swarmnode.node.worker import MissingActivations, StageWorker
+from swarmnode.precision import Overflow, Precision
 from swarmnode.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -35,10 +35,16 @@ class StageNode(Node):
     """A node of transformer stage k >= 1: forward and backward passes for the microbatches routed here."""
 
     def __init__(
-        self, spec: RunSpec, stage: int, dht: SwarmDHT, direct_host: str | None, rebalance: bool = False
+        self,
+        spec: RunSpec,
+        stage: int,
+        dht: SwarmDHT,
+        direct_host: str | None,
+        rebalance: bool = False,
+        precision: Precision | None = None,
     ) -> None:
-        super().__init__(spec, stage, dht, direct_host)
-        self.worker = StageWorker(self.piece, self.optimizer)
+        super().__init__(spec, stage, dht, direct_host, precision)
+        self.worker = StageWorker(self.piece, self.optimizer, self.precision, self.wire)
         self.book = StepBook(spec.iteration_timeout_s)
         self.rebalance = rebalance
         self._served: set[int] = set()  # stages this node has seen served (`--rebalance` moves only to those)
@@ -159,12 +165,8 @@ class StageNode(Node):
 
     async def _evaluate(self, message: Forward, hidden: Tensor) -> None:
         """A validation microbatch: forward only, nothing held, no gradient, not tracked."""
-
-        def run() -> Tensor:
-            with torch.no_grad():
-                return self.piece(hidden.float())
-
-        await self.router.forward(message, await self.compute.submit(Priority.FORWARD, run))
+        output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.evaluate(hidden))
+        await self.router.forward(message, output)
 
     async def _on_backward(
         self, peer: str, message: Backward, tensors: list[Tensor]
@@ -188,6 +190,11 @@ class StageNode(Node):
             grad_in = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.backward(key, grad))
         except MissingActivations:
             return  # aborted meanwhile
+        except Overflow as error:  # its group's update is skipped; the loss scale backs off at the step
+            self.book.finish(key, applied=True, now=time.monotonic())
+            await self._abort_everywhere(message, key, str(error))
+            await self.maybe_step()
+            return
         self.book.finish(key, applied=True, now=time.monotonic())
         delivered = await self.router.backward(message, grad_in)
         if not delivered:

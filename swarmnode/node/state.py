@@ -30,7 +30,14 @@ class StateMismatch(ValueError):
 
 
 def weights(module: nn.Module) -> TensorMap:
-    return {name: p.detach().clone() for name, p in module.named_parameters()}
+    """A copy of the module's weights on the host (what is sent, averaged and rebuilt from lives there,
+    whatever device the node computes on)."""
+    return {name: host_copy(p) for name, p in module.named_parameters()}
+
+
+def host_copy(tensor: Tensor) -> Tensor:
+    """A float32-preserving copy of `tensor` in CPU memory."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def optimizer_state(
@@ -41,7 +48,7 @@ def optimizer_state(
         state = optimizer.adam.state.get(param, {})
         for field in ADAM_FIELDS:
             if field in state:
-                out[f"adam.{name}.{field}"] = state[field].detach().clone().float()
+                out[f"adam.{name}.{field}"] = host_copy(state[field]).float()
         out[f"outer.phi.{name}"] = phi[name].clone()
         if delta is not None:
             out[f"outer.delta.{name}"] = delta[name].clone()
@@ -145,7 +152,7 @@ def check_replica_state(
         phi_t = received.get(f"outer.phi.{name}")
         if phi_t is not None:
             check_tensor(shape, phi_t, f"outer phi of {name}")
-        phi[name] = (phi_t if phi_t is not None else param).clone()
+        phi[name] = phi_t.clone() if phi_t is not None else host_copy(param)
         delta_t = received.get(f"outer.delta.{name}")
         if delta_t is not None:
             check_tensor(shape, delta_t, f"outer delta of {name}")
@@ -167,7 +174,7 @@ def load_replica_state(module: nn.Module, optimizer: StageOptimizer, checked: Re
         if name in checked.moments:
             step, exp_avg, exp_avg_sq = checked.moments[name]
             optimizer.adam.state[param] = {
-                "step": step.clone(),
-                "exp_avg": exp_avg.clone(),
-                "exp_avg_sq": exp_avg_sq.clone(),
+                "step": step.clone(),  # on the host, as Adam keeps it
+                "exp_avg": exp_avg.to(param.device, copy=True),
+                "exp_avg_sq": exp_avg_sq.to(param.device, copy=True),
             }

@@ -6,10 +6,15 @@ dropped when the backward pass is done or the microbatch is aborted. A transform
 buffer per group (a data node's iteration): each backward pass accumulates into its group's buffer, and each
 group is one optimizer update (`protocols.stepbook`). The daemon steps only when no activation is held, so
 an update never changes weights that a pending backward pass still needs.
+
+Tensors arrive and leave on the CPU in the run's wire dtypes (`precision.wire_dtypes`); the module runs on
+the node's device in its compute dtype (`precision.Precision`, float32 master weights). Under float16 each
+group's gradients are scaled by the loss scale of its first backward pass and unscaled at its update.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -19,6 +24,7 @@ from torch import Tensor, nn
 from protocols.stepbook import Group, MicrobatchKey
 from swarmnode.optim import StageOptimizer
 from swarmnode.pieces import DataPiece
+from swarmnode.precision import Overflow, Precision
 
 
 class MissingActivations(KeyError):
@@ -32,15 +38,47 @@ class _Held:
     created: float
 
 
+@dataclass(frozen=True)
+class Wire:
+    """The dtypes activations and gradients travel in between nodes."""
+
+    activations: torch.dtype = torch.float32
+    gradients: torch.dtype = torch.float32
+
+
+def _to_wire(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.detach().to(device="cpu", dtype=dtype)
+
+
+def _unscaled_gradient(inputs: Tensor, scale: float, key: object) -> Tensor:
+    """The gradient at a piece's inputs, divided by the loss scale; Overflow if it is not finite."""
+    if inputs.grad is None:
+        raise RuntimeError(f"no input gradient for microbatch {key}")
+    grad = inputs.grad / scale if scale != 1.0 else inputs.grad
+    if not bool(torch.isfinite(grad).all()):
+        raise Overflow(f"the gradient of microbatch {key} overflowed at loss scale {scale:g}")
+    return grad
+
+
 class StageWorker:
     """Forward and backward passes of one transformer stage, with its optimizer."""
 
-    def __init__(self, module: nn.Module, optimizer: StageOptimizer) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: StageOptimizer,
+        precision: Precision | None = None,
+        wire: Wire | None = None,
+    ) -> None:
         self.module = module
         self.optimizer = optimizer
+        self.precision = precision or Precision()
+        self.wire = wire or Wire()
+        self.scaler = self.precision.scaler()
         self._held: dict[MicrobatchKey, _Held] = {}
         self._params = list(module.parameters())
         self._grads: dict[Group, list[Tensor | None]] = {}  # each group's accumulated gradients
+        self._scales: dict[Group, float] = {}  # each group's loss scale (float16)
 
     @property
     def in_flight(self) -> int:
@@ -52,24 +90,32 @@ class StageWorker:
         return len(self._grads)
 
     def forward(self, key: MicrobatchKey, hidden: Tensor, now: float) -> Tensor:
-        inputs = hidden.detach().float().requires_grad_(True)
-        outputs = self.module(inputs)
+        inputs = hidden.detach().to(self.precision.device, torch.float32).requires_grad_(True)
+        with self.precision.autocast():
+            outputs = self.module(inputs)
         self._held[key] = _Held(inputs, outputs, now)
-        return outputs.detach()
+        return _to_wire(outputs, self.wire.activations)
+
+    def evaluate(self, hidden: Tensor) -> Tensor:
+        """A validation forward pass: nothing held, no gradient."""
+        with torch.no_grad(), self.precision.autocast():
+            outputs = self.module(hidden.to(self.precision.device, torch.float32))
+        return _to_wire(outputs, self.wire.activations)
 
     def backward(self, key: MicrobatchKey, grad: Tensor) -> Tensor:
+        """The backward pass of a held microbatch into its group's gradients; the gradient at its inputs.
+        Raises MissingActivations if nothing is held for it, Overflow if a float16 pass overflowed."""
         held = self._held.pop(key, None)
         if held is None:
             raise MissingActivations(key)
+        scale = self._scales.setdefault(key.group, self.scaler.scale)
         self._load_grads(key.group)
         try:
-            held.outputs.backward(grad.float())
+            held.outputs.backward(grad.to(self.precision.device, torch.float32) * scale)
         finally:
             self._grads[key.group] = [p.grad for p in self._params]
             self._load_grads(None)
-        if held.inputs.grad is None:
-            raise RuntimeError(f"no input gradient for microbatch {key}")
-        return held.inputs.grad
+        return _to_wire(_unscaled_gradient(held.inputs, scale, key), self.wire.gradients)
 
     def _load_grads(self, group: Group | None) -> None:
         """Point the parameters' `.grad` at `group`'s buffer (None: at nothing)."""
@@ -99,6 +145,7 @@ class StageWorker:
         stale = [group for group in self._grads if group not in groups]
         for group in stale:
             del self._grads[group]
+            self._scales.pop(group, None)
         return len(stale)
 
     def step_group(self, group: Group) -> float | None:
@@ -108,15 +155,27 @@ class StageWorker:
             return None
         self._load_grads(group)
         del self._grads[group]
-        return self.optimizer.step(1.0, group[1])
+        norm = self.optimizer.step(1.0 / self._scales.pop(group, 1.0), group[1])
+        self.scaler.update(overflowed=not math.isfinite(norm))
+        return norm
 
 
 class DataWorker:
     """Stage 0: embed a microbatch, compute its loss at the head, and finish its backward pass."""
 
-    def __init__(self, piece: DataPiece, optimizer: StageOptimizer) -> None:
+    def __init__(
+        self,
+        piece: DataPiece,
+        optimizer: StageOptimizer,
+        precision: Precision | None = None,
+        wire: Wire | None = None,
+    ) -> None:
         self.piece = piece
         self.optimizer = optimizer
+        self.precision = precision or Precision()
+        self.wire = wire or Wire()
+        self.scaler = self.precision.scaler()  # constant during an iteration: a data node steps after each
+        self._overflowed = False  # a microbatch of this iteration overflowed (float16)
         self._embedded: dict[MicrobatchKey, _Held] = {}
 
     @property
@@ -124,28 +183,39 @@ class DataWorker:
         return len(self._embedded)
 
     def embed(self, key: MicrobatchKey, tokens: Tensor, now: float) -> Tensor:
-        hidden = self.piece.embed(tokens)
+        hidden = self.piece.embed(tokens.to(self.precision.device))
         self._embedded[key] = _Held(tokens, hidden, now)
-        return hidden.detach()
+        return _to_wire(hidden, self.wire.activations)
 
     def loss_and_grad(self, hidden: Tensor, targets: Tensor, scale: float) -> tuple[float, Tensor]:
         """Loss at the head for returned activations; backward through the head; the hidden-state gradient.
 
         `scale` weights this microbatch in the iteration's mean loss (1 / microbatches per iteration).
+        Raises Overflow if a float16 pass overflowed.
         """
-        inputs = hidden.detach().float().requires_grad_(True)
-        loss = self.piece.loss(inputs, targets)
-        (loss * scale).backward()
-        if inputs.grad is None:
-            raise RuntimeError("no gradient at the head")
-        return float(loss.detach()), inputs.grad
+        inputs = hidden.detach().to(self.precision.device, torch.float32).requires_grad_(True)
+        with self.precision.autocast():
+            loss = self.piece.loss(inputs, targets.to(self.precision.device))
+        (loss.float() * (scale * self.scaler.scale)).backward()
+        try:
+            grad = _unscaled_gradient(inputs, self.scaler.scale, "at the head")
+        except Overflow:
+            self._overflowed = True
+            raise
+        return float(loss.detach()), _to_wire(grad, self.wire.gradients)
+
+    def eval_loss(self, hidden: Tensor, targets: Tensor) -> float:
+        """The validation loss of returned activations: no gradient."""
+        with torch.no_grad(), self.precision.autocast():
+            inputs = hidden.to(self.precision.device, torch.float32)
+            return float(self.piece.loss(inputs, targets.to(self.precision.device)))
 
     def finish(self, key: MicrobatchKey, grad: Tensor) -> None:
         """The gradient has come back to the embedding: complete the backward pass."""
         held = self._embedded.pop(key, None)
         if held is None:
             raise MissingActivations(key)
-        held.outputs.backward(grad.float())
+        held.outputs.backward(grad.to(self.precision.device, torch.float32) * self.scaler.scale)
 
     def drop(self, key: MicrobatchKey) -> bool:
         return self._embedded.pop(key, None) is not None
@@ -155,11 +225,17 @@ class DataWorker:
         return None if held is None else tuple(held.outputs.shape)
 
     def step(self, grad_scale: float = 1.0, at: int | None = None) -> float:
-        return self.optimizer.step(grad_scale, at)
+        norm = self.optimizer.step(grad_scale / self.scaler.scale, at)
+        self.scaler.update(overflowed=self._overflowed or not math.isfinite(norm))
+        self._overflowed = False
+        return norm
 
     def discard_gradients(self) -> None:
         """An iteration in which no microbatch completed: drop its partial gradients."""
         self.optimizer.adam.zero_grad(set_to_none=True)
+        if self._overflowed:  # the overflow, not a lost swarm, emptied it: back off
+            self.scaler.update(overflowed=True)
+        self._overflowed = False
 
 
 def check_activations(tensor: Tensor, batch_limit: int, seq_len: int, dim: int) -> str | None:
