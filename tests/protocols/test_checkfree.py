@@ -297,6 +297,7 @@ def test_edge_reasons_say_what_was_chosen_and_why() -> None:
     assert three.startswith("stage 3 rebuilt as a copy of stage 2, its only transformer neighbour")
     assert "a model of 3 transformer stages never swaps" in three
     assert "stage 2 never trained in its place" in three
+    assert three.endswith("a neighbour's copy recovers at least as well as fresh weights)")
     off = edge_plan(1, 4, {0, 2, 3, 4}, plus=False, swaps=False).reason
     assert off.startswith("stage 1 rebuilt as a copy of stage 2, its only transformer neighbour")
     assert "no edge swap ran: CheckFree+ is off" in off
