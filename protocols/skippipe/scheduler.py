@@ -118,7 +118,10 @@ def _improve(
         mb = _pick(result, ids, rng, rules.microbatches_per_data_node)
         moves[rng.randrange(len(moves))](trial, view, space, rng, mb, ids)
         change = tuple((mb, path) for mb, path in sorted(trial.items()) if paths[mb] != path)
-        if not change or change in tried or missed(trial, view, draws):
+        if not change or change in tried:
+            continue
+        touched = {path[0] for _, path in change}  # a draw is missed or not per data node
+        if draws and missed({mb: p for mb, p in trial.items() if p[0] in touched}, view, draws):
             continue
         tried.add(change)
         outcome = simulator.rerun(trace, trial, bound=result.iteration_time_s)
