@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from swarmnode.presets import get_preset
 
 COMPRESSIONS = ("none", "float16")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `precision.DTYPES`, without importing torch here
 
 
@@ -49,6 +51,7 @@ class RunSpec:
     copy_refresh_steps: int = 10
     compression: str = "none"
     dtype: str = "float32"  # the run's default compute dtype, and how activations travel (`precision`)
+    init_digests: str | None = None  # started from weights: stage 0..s's SHA-256, comma separated (`seed`)
     hop_timeout_s: float = 10.0
     iteration_timeout_s: float = 30.0
     record_period_s: float = 1.0
@@ -115,6 +118,13 @@ class RunSpec:
             )
         if self.dtype not in DTYPE_NAMES:
             raise RunSpecError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.init_digests is not None:
+            digests = self.init_digests.split(",") if isinstance(self.init_digests, str) else []
+            if len(digests) != self.stages + 1 or not all(_SHA256.fullmatch(d) for d in digests):
+                raise RunSpecError(
+                    f"init_digests must be {self.stages + 1} SHA-256 hex digests (stages 0..{self.stages}), "
+                    "comma separated"
+                )
         if self.record_ttl_s <= self.record_period_s:
             raise RunSpecError("record_ttl_s must exceed record_period_s")
 
@@ -134,6 +144,10 @@ class RunSpec:
             noloco_inner_steps=preset.noloco_inner_steps,
         )
         return base.with_overrides(**overrides)
+
+    def init_digest(self, stage: int) -> str | None:
+        """The digest of `stage`'s initial weights, if the run starts from weights."""
+        return None if self.init_digests is None else self.init_digests.split(",")[stage]
 
     def with_overrides(self, **overrides: Any) -> RunSpec:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -15,6 +16,9 @@ from swarmnode.data import DataError, load_corpus
 from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable, RunNotFound, read_initial_peers
 from swarmnode.identity import Identity, IdentityError, public_key_of
 from swarmnode.runspec import RunSpec, RunSpecError
+
+if TYPE_CHECKING:
+    from swarmnode.node.seed import SeedWeights
 
 PEERS_HELP = "Multiaddrs (comma separated) or a file with one per line; also $SWARMNODE_INITIAL_PEERS."
 IDENTITY_HELP = "Keep this node's key (its peer id) in FILE, created if missing, so it survives restarts."
@@ -107,6 +111,13 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option("--noloco-every", type=click.IntRange(min=1), default=None, help="NoLoCo inner steps H.")
 @click.option("--compression", type=click.Choice(["none", "float16"]), default=None)
 @dtype_option("The run's compute dtype, and the dtype activations travel in (default: float32).")
+@click.option(
+    "--init-from",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="Start the run from the weights of a Hugging Face Llama folder (an export); this peer serves them.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True)
 @click.option("--public", is_flag=True, help="Opt in to NAT port mapping (real deployments only).")
@@ -129,6 +140,7 @@ def bootstrap(
     noloco_every: int | None,
     compression: str | None,
     dtype: str | None,
+    init_from: Path | None,
     host: str,
     port: int,
     public: bool,
@@ -165,13 +177,36 @@ def bootstrap(
     except (RunSpecError, ValueError, DataError) as error:
         raise click.UsageError(str(error.args[0] if error.args else error)) from None
     spec = spec.with_overrides(vocab_size=corpus.vocab_size)
+    seed = None
+    if init_from is not None:
+        seed = _seed_or_fail(init_from, spec, corpus.tokenizer_path)
+        spec = spec.with_overrides(init_digests=",".join(seed.digests))
     try:
-        code = _run_async(run_bootstrap(spec, host, port, public, peers_file, identity))
+        code = _run_async(run_bootstrap(spec, host, port, public, peers_file, identity, seed))
     except DHTUnavailable as error:
         raise click.ClickException(str(error)) from None
     except TimeoutError:
         raise click.ClickException(f"publishing the run: {DHT_TIMEOUT}") from None
     raise SystemExit(code)
+
+
+def _seed_or_fail(folder: Path, spec: RunSpec, tokenizer: Path) -> SeedWeights:
+    """`--init-from DIR`: a Llama folder of the run's shape and vocabulary, tokenised as the run's data nodes
+    tokenise (the field or file that differs is named)."""
+    from swarmnode.modeldir import ModelFolderError, tokenizer_of
+    from swarmnode.node.seed import read_seed
+
+    theirs = tokenizer_of(folder) if folder.is_dir() else None
+    if theirs is not None and theirs.read_bytes() != tokenizer.read_bytes():
+        raise click.BadParameter(
+            f"{theirs} is not the run's tokenizer ({tokenizer}): a model trained with another tokenizer "
+            "cannot start this run",
+            param_hint="--init-from",
+        )
+    try:
+        return read_seed(folder, spec)
+    except ModelFolderError as error:
+        raise click.BadParameter(str(error), param_hint="--init-from") from None
 
 
 def _stage(value: str) -> int | None:

@@ -15,10 +15,13 @@ from pathlib import Path
 
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.events import emit
+from swarmnode.node.seed import SeedServer, SeedWeights
 from swarmnode.runspec import RunSpec
+from swarmnode.transport import Transport, TransportConfig
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # where the plain-TCP path is used, as `join` does
 RUN_TTL_S = 60.0
 REPUBLISH_S = 10.0
 
@@ -31,16 +34,29 @@ def write_peers_file(path: Path, maddrs: list[str]) -> None:
 
 
 async def run_bootstrap(
-    spec: RunSpec, host: str, port: int, public: bool, peers_file: Path | None, identity: Path | None = None
+    spec: RunSpec,
+    host: str,
+    port: int,
+    public: bool,
+    peers_file: Path | None,
+    identity: Path | None = None,
+    seed: SeedWeights | None = None,
 ) -> int:
     """Publish the run until SIGINT/SIGTERM (exit code 0), or until the DHT fails (1); the DHT is shut down
-    on every way out, errors included. The bootstrap's key (kept in `identity`, if given) owns the run."""
+    on every way out, errors included. The bootstrap's key (kept in `identity`, if given) owns the run.
+    With `seed` (the run starts from weights, `spec.init_digests`), it also serves them (`node.seed`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     dht = SwarmDHT(spec.run_id, (), host, port, public, identity_path=identity)
+    transport: Transport | None = None
     try:
+        if seed is not None:
+            direct = host if host in LOOPBACK else None
+            transport = Transport(await dht.replicate_p2p(), TransportConfig(direct_host=direct))
+            SeedServer(spec, seed).register(transport)
+            await transport.start()
         await dht.publish_run(spec, RUN_TTL_S)
         maddrs = dht.visible_maddrs()
         for addr in maddrs:
@@ -67,4 +83,6 @@ async def run_bootstrap(
                     )
         return 0
     finally:
+        if transport is not None:
+            await transport.close()
         dht.shutdown()

@@ -43,7 +43,7 @@ from protocols.messages import (
 from protocols.noloco import OuterConfig
 from protocols.stepbook import MicrobatchKey
 from swarmnode.dht import SwarmDHT
-from swarmnode.node import recovery, state
+from swarmnode.node import recovery, seed, state
 from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.checks import BANNED_FOR, Rejected, decode_from_peer, hop_tensor
 from swarmnode.node.compute import ComputeQueue
@@ -163,6 +163,8 @@ class Node:
         self.state = NodeState.RECOVERING
         await self.publish()
         self.recovery = await recovery.recover(self)
+        if self.recovery is None and self.spec.init_digests is not None:
+            await seed.start_from_seed(self)
         self.state = NodeState.ONLINE
         await self.publish()
         await self._greet_peers()
