@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarmnode.runspec import DTYPE_NAMES
+from swarmnode.runspec import COMPUTE_DTYPE_NAMES
 
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+COMPUTE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in COMPUTE_DTYPE_NAMES}
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d{1,3})?")
 
@@ -29,9 +29,9 @@ class PrecisionError(ValueError):
 
 def parse_dtype(name: str) -> torch.dtype:
     """The torch dtype of a `--dtype` name."""
-    if name not in DTYPES:
-        raise PrecisionError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in COMPUTE_DTYPES:
+        raise PrecisionError(f"unknown dtype {name!r}: choose one of {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[name]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,7 +65,7 @@ class Precision:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES.values():
+        if self.dtype not in COMPUTE_DTYPES.values():
             raise PrecisionError(f"unsupported compute dtype {self.dtype}")
 
     @classmethod

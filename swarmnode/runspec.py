@@ -17,7 +17,7 @@ from swarmnode.presets import get_preset
 
 COMPRESSIONS = ("none", "float16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `precision.DTYPES`, without importing torch here
+COMPUTE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `precision.COMPUTE_DTYPES`, torch-free
 
 
 class RunSpecError(ValueError):
@@ -116,8 +116,8 @@ class RunSpec:
             raise RunSpecError(
                 f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
             )
-        if self.dtype not in DTYPE_NAMES:
-            raise RunSpecError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.dtype not in COMPUTE_DTYPE_NAMES:
+            raise RunSpecError(f"dtype must be one of {', '.join(COMPUTE_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.init_digests is not None:
             digests = self.init_digests.split(",") if isinstance(self.init_digests, str) else []
             if len(digests) != self.stages + 1 or not all(_SHA256.fullmatch(d) for d in digests):

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import click
 
-from swarmnode.runspec import DTYPE_NAMES
+from swarmnode.runspec import COMPUTE_DTYPE_NAMES
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -28,7 +28,7 @@ def dtype_option(help_text: str, default: str | None = None) -> Callable[[F], F]
     """`--dtype`: a compute precision (weights stay float32 whatever it is)."""
     return click.option(
         "--dtype",
-        type=click.Choice(DTYPE_NAMES),
+        type=click.Choice(COMPUTE_DTYPE_NAMES),
         default=default,
         show_default=default is not None,
         help=help_text,
