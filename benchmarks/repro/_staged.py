@@ -231,6 +231,7 @@ def common_args(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--json", type=str, default=None, help="write the result here")
     parser.add_argument("--plot", type=str, default=None, help="write the figure here (PNG)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--rescore", type=str, default=None, help="recompute rows and verdict of this result")
     return parser
 
 
