@@ -1,6 +1,6 @@
 """The frame parser under arbitrary input, without daemons.
 
-Whatever arrives, `read_frame` returns a frame that matches its head or raises ProtocolError; it raises
+Whatever arrives, `read_frame` returns a frame that matches its head or raises WireError; it raises
 IncompleteReadError only when the bytes end before the frame they announce does."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from swarmnode.transport import Limits, ProtocolError
+from swarmnode.transport import Limits, WireError
 from swarmnode.transport._framing import (
     DTYPES,
     MAGIC,
@@ -100,10 +100,10 @@ def _read(loop: asyncio.AbstractEventLoop, data: bytes) -> tuple[Any, list[Any]]
 
 
 def _check(loop: asyncio.AbstractEventLoop, data: bytes) -> None:
-    """Only a consistent frame, ProtocolError, or IncompleteReadError for bytes shorter than announced."""
+    """Only a consistent frame, WireError, or IncompleteReadError for bytes shorter than announced."""
     try:
         head, tensors = _read(loop, data)
-    except ProtocolError:
+    except WireError:
         return
     except asyncio.IncompleteReadError:
         if len(data) >= PREFIX.size:

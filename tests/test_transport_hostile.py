@@ -33,7 +33,7 @@ from transport_harness import (
     until,
 )
 
-from swarmnode.transport import ProtocolError, RemoteError, Transport, TransportConfig
+from swarmnode.transport import RemoteError, Transport, TransportConfig, WireError
 from swarmnode.transport._framing import (
     MAGIC,
     MAX_ERROR_CHARS,
@@ -191,7 +191,7 @@ def test_garbage_reply_is_a_protocol_error(swarm: Swarm) -> None:
     async def scenario() -> None:
         mallory = await swarm.spawn()
         await mallory.add_binary_stream_handler(SERVER_CONFIG.protocol, liar)
-        with pytest.raises(ProtocolError, match="bytes"):
+        with pytest.raises(WireError, match="bytes"):
             await swarm.libp2p.call(mallory.peer_id, "echo", b"", [], 5.0)
 
     swarm.run(scenario())
@@ -225,7 +225,7 @@ def test_a_garbage_reply_of_an_absurd_empty_shape_is_a_protocol_error(swarm: Swa
     async def scenario() -> None:
         mallory = await swarm.spawn()
         await mallory.add_binary_stream_handler(SERVER_CONFIG.protocol, liar)
-        with pytest.raises(ProtocolError, match="elements"):
+        with pytest.raises(WireError, match="elements"):
             await swarm.libp2p.call(mallory.peer_id, "ping", b"", [], 5.0)
 
     swarm.run(scenario())

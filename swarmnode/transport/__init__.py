@@ -17,9 +17,9 @@ from swarmnode.transport._config import TransportConfig, TransportStats
 from swarmnode.transport._errors import (
     CallTimeout,
     PeerUnreachable,
-    ProtocolError,
     RemoteError,
     TransportError,
+    WireError,
 )
 from swarmnode.transport._framing import DTYPES, Compression, Limits
 from swarmnode.transport._serving import Handler, Reply
@@ -32,11 +32,11 @@ __all__ = [
     "Handler",
     "Limits",
     "PeerUnreachable",
-    "ProtocolError",
     "RemoteError",
     "Reply",
     "Transport",
     "TransportConfig",
     "TransportError",
     "TransportStats",
+    "WireError",
 ]

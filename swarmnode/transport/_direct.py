@@ -27,7 +27,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarmnode.transport._config import TransportConfig, TransportStats
-from swarmnode.transport._errors import ProtocolError, RemoteError
+from swarmnode.transport._errors import RemoteError, WireError
 from swarmnode.transport._framing import Compression, encode_request, prepare_writer
 from swarmnode.transport._pool import Stream, StreamPool
 
@@ -132,7 +132,7 @@ class DirectDialer:
         self._no_direct.pop(peer_id, None)
         try:
             return await self._open(peer_id)
-        except (_NoDirectPath, RemoteError, ProtocolError, OSError) as e:  # libp2p may still work
+        except (_NoDirectPath, RemoteError, WireError, OSError) as e:  # libp2p may still work
             if isinstance(e, RemoteError) and e.kind != "unknown_method":
                 raise  # refused (banned, overloaded): not a question of paths
             logger.info("no direct path to %s (%s); using libp2p", peer_id, e)
@@ -155,9 +155,9 @@ class DirectDialer:
         try:
             port, token = msgpack.unpackb(meta)
         except Exception as e:  # any garbage: no direct path to this peer
-            raise ProtocolError(f"bad direct-path grant: {e}") from None
+            raise WireError(f"bad direct-path grant: {e}") from None
         if not (isinstance(port, int) and 0 < port < 65536 and isinstance(token, bytes) and len(token) == 16):
-            raise ProtocolError("bad direct-path grant")
+            raise WireError("bad direct-path grant")
         self._pool.make_room(peer_id)
         reader, writer = await asyncio.open_connection(host, port)
         prepare_writer(writer)

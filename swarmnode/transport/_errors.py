@@ -15,7 +15,7 @@ class CallTimeout(TransportError, TimeoutError):
     """The call did not complete within its timeout (a slow handler, a frozen or overloaded peer)."""
 
 
-class ProtocolError(TransportError):
+class WireError(TransportError):
     """A frame broke the wire format: malformed, oversized, wrong version, or undecodable tensors."""
 
 

@@ -15,9 +15,9 @@ its raw 16 bits), FLOAT16 sends float32 as float16 clamped to its range (byte fo
 Float16Compression sends; other dtypes travel as they are). Decoded tensors are
 `torch.frombuffer` views of a fresh `bytearray` per tensor (writable, owned by the tensor, never shared).
 Everything read from the wire is checked against `Limits` and the dtype allow-list before any tensor is built,
-and a body's buffers grow only as its bytes arrive; whatever a peer sends, decoding raises only ProtocolError
+and a body's buffers grow only as its bytes arrive; whatever a peer sends, decoding raises only WireError
 (or IncompleteReadError when the stream ends mid-frame). Error texts are cut to `MAX_ERROR_CHARS`, both sent
-and received, and peer-supplied values quoted in a ProtocolError are cut short.
+and received, and peer-supplied values quoted in a WireError are cut short.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import msgpack
 import torch
 from hivemind.proto.runtime_pb2 import CompressionType
 
-from swarmnode.transport._errors import ProtocolError
+from swarmnode.transport._errors import WireError
 
 MAGIC = b"SWNT"
 VERSION = 1
@@ -43,7 +43,7 @@ IO_CHUNK = 1 << 20  # bytes per write and read call while streaming a body
 MAX_METHOD_CHARS = 128  # longest method name a request may carry
 MAX_CODE_CHARS = 64  # longest error code an ERROR frame may carry
 MAX_ERROR_CHARS = 1024  # error messages longer than this are cut, when sent and when received
-_SHOWN_CHARS = 80  # how much of a peer-supplied value a ProtocolError quotes
+_SHOWN_CHARS = 80  # how much of a peer-supplied value a WireError quotes
 
 Buffer = bytes | bytearray | memoryview
 
@@ -227,15 +227,15 @@ def parse_prefix(prefix: bytes, limits: Limits) -> tuple[Kind, int, int]:
     """Check a frame prefix; return (kind, head length, body length)."""
     magic, version, kind, flags, head_len, body_len = PREFIX.unpack(prefix)
     if magic != MAGIC:
-        raise ProtocolError(f"bad magic {magic!r}")
+        raise WireError(f"bad magic {magic!r}")
     if version != VERSION:
-        raise ProtocolError(f"unsupported wire version {version} (this side speaks {VERSION})")
+        raise WireError(f"unsupported wire version {version} (this side speaks {VERSION})")
     if kind not in _KINDS or flags != 0:
-        raise ProtocolError(f"bad frame kind {kind} or flags {flags:#x}")
+        raise WireError(f"bad frame kind {kind} or flags {flags:#x}")
     if head_len > limits.max_head_bytes:
-        raise ProtocolError(f"head of {head_len} bytes exceeds the limit of {limits.max_head_bytes}")
+        raise WireError(f"head of {head_len} bytes exceeds the limit of {limits.max_head_bytes}")
     if head_len + body_len > limits.max_message_bytes:
-        raise ProtocolError(
+        raise WireError(
             f"message of {head_len + body_len} bytes exceeds the limit of {limits.max_message_bytes}"
         )
     return Kind(kind), head_len, body_len
@@ -243,7 +243,7 @@ def parse_prefix(prefix: bytes, limits: Limits) -> tuple[Kind, int, int]:
 
 def _check(condition: bool, what: str) -> None:
     if not condition:
-        raise ProtocolError(f"malformed head: {what}")
+        raise WireError(f"malformed head: {what}")
 
 
 def _is_int(value: object) -> bool:
@@ -254,16 +254,16 @@ def _parse_spec(raw: object, limits: Limits) -> TensorSpec:
     _check(isinstance(raw, list) and len(raw) == 3, "tensor spec is not [dtype, compression, shape]")
     dtype, compression, shape = raw
     if not (isinstance(dtype, str) and dtype in DTYPES):
-        raise ProtocolError(f"dtype {show(dtype)} is not allowed")
+        raise WireError(f"dtype {show(dtype)} is not allowed")
     if not (_is_int(compression) and compression in _COMPRESSIONS):
-        raise ProtocolError(f"compression {show(compression)} is not allowed")
+        raise WireError(f"compression {show(compression)} is not allowed")
     if compression == Compression.FLOAT16 and dtype != "float32":
-        raise ProtocolError(f"FLOAT16 compression of a {dtype} tensor")
+        raise WireError(f"FLOAT16 compression of a {dtype} tensor")
     _check(isinstance(shape, list) and len(shape) <= limits.max_ndim, "shape is not a short list")
     _check(all(_is_int(dim) and dim >= 0 for dim in shape), "shape has a non-natural dimension")
     elements = math.prod(max(dim, 1) for dim in shape)  # Python ints: no overflow, zero dims count as 1
     if elements > limits.max_elements:
-        raise ProtocolError(f"shape {show(shape)} exceeds the limit of {limits.max_elements} elements")
+        raise WireError(f"shape {show(shape)} exceeds the limit of {limits.max_elements} elements")
     return TensorSpec(dtype, Compression(compression), tuple(shape))
 
 
@@ -272,7 +272,7 @@ def _parse_specs(raw: object, body_len: int, limits: Limits) -> tuple[TensorSpec
     specs = tuple(_parse_spec(item, limits) for item in raw)
     expected = sum(spec.nbytes for spec in specs)
     if expected != body_len:
-        raise ProtocolError(f"tensors take {expected} bytes but the body has {body_len}")
+        raise WireError(f"tensors take {expected} bytes but the body has {body_len}")
     return specs
 
 
@@ -291,14 +291,14 @@ def _unpack_head(head: bytes, limits: Limits) -> object:
         )
     except Exception as e:  # msgpack raises several unrelated types on garbage
         reason = truncate(str(e), _SHOWN_CHARS)
-        raise ProtocolError(f"head is not msgpack: {type(e).__name__}: {reason}") from None
+        raise WireError(f"head is not msgpack: {type(e).__name__}: {reason}") from None
 
 
 def parse_head(kind: Kind, head: bytes, body_len: int, limits: Limits) -> Head:
     """Decode and check a frame head against the body length the prefix announced."""
     fields = _unpack_head(head, limits)
     if not isinstance(fields, list):
-        raise ProtocolError("malformed head: head is not a list")
+        raise WireError("malformed head: head is not a list")
     if kind is Kind.REQUEST:
         _check(len(fields) == 5, "request head needs 5 fields")
         method, timeout, reply_compression, meta, specs = fields
@@ -335,7 +335,7 @@ def _build(spec: TensorSpec, buffer: bytearray) -> torch.Tensor:
             tensor = torch.empty(spec.shape, dtype=spec.wire_dtype)
         return tensor.to(torch.float32) if spec.compression is Compression.FLOAT16 else tensor
     except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # whatever torch objects to
-        raise ProtocolError(f"cannot build shape {show(spec.shape)}: {type(e).__name__}") from None
+        raise WireError(f"cannot build shape {show(spec.shape)}: {type(e).__name__}") from None
 
 
 async def read_tensors(read: Read, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:

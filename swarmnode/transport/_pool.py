@@ -24,7 +24,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmnode.transport._config import TransportConfig, TransportStats
-from swarmnode.transport._errors import PeerUnreachable, ProtocolError, RemoteError, TransportError
+from swarmnode.transport._errors import PeerUnreachable, RemoteError, TransportError, WireError
 from swarmnode.transport._framing import Buffer, Error, Response, prepare_writer, read_frame, write_frame
 
 # Error codes after which the server closes the stream: such a stream is not reused.
@@ -145,7 +145,7 @@ class StreamPool:
                 reusable = head.code not in _CLOSING_CODES
                 raise RemoteError(head.code, head.message)
             if not isinstance(head, Response):
-                raise ProtocolError(f"expected a response, got {type(head).__name__}")
+                raise WireError(f"expected a response, got {type(head).__name__}")
             reusable = True
             return head.meta, tensors
         except (asyncio.IncompleteReadError, ConnectionError) as e:

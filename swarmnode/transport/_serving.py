@@ -27,7 +27,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarmnode.transport._config import TransportConfig, TransportStats
-from swarmnode.transport._errors import ProtocolError
+from swarmnode.transport._errors import WireError
 from swarmnode.transport._framing import (
     IO_CHUNK,
     PREFIX,
@@ -152,7 +152,7 @@ class Server:
                 await self._serve_one(peer_id, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the caller closed the stream (or its peer died)
-        except ProtocolError as e:
+        except WireError as e:
             logger.warning("rejected a frame from %s: %s", peer_id, e)
             if self._config.ban_seconds > 0:
                 self.ban(peer_id, self._config.ban_seconds)
@@ -208,7 +208,7 @@ class Server:
         started = loop.time()
         kind, head_len, body_len = parse_prefix(prefix, config.limits)
         if kind is not Kind.REQUEST:
-            raise ProtocolError(f"expected a request, got a {kind.name} frame")
+            raise WireError(f"expected a request, got a {kind.name} frame")
         if self.is_banned(peer_id):
             raise Refused("banned", "banned", f"not serving {peer_id} now")
         try:
@@ -245,12 +245,10 @@ class Server:
         else:  # answered "unknown_method" once read: read only a little of it
             body_limit = min(UNKNOWN_METHOD_BODY_BYTES, config.limits.max_message_bytes)
         if body_len > body_limit:
-            raise ProtocolError(f"{show(method)} request of {body_len} tensor bytes; at most {body_limit}")
+            raise WireError(f"{show(method)} request of {body_len} tensor bytes; at most {body_limit}")
         meta_limit = self._meta_limits.get(method, config.max_meta_bytes)
         if len(request.meta) > meta_limit:
-            raise ProtocolError(
-                f"{show(method)} request meta of {len(request.meta)} bytes; at most {meta_limit}"
-            )
+            raise WireError(f"{show(method)} request meta of {len(request.meta)} bytes; at most {meta_limit}")
         self._budget.admit(peer_id, body_len)
 
     async def _dispatch(

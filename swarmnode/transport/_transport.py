@@ -139,7 +139,7 @@ class Transport:
 
         `compression` (default: the transport's) applies to float32 tensors in both directions. The caller
         must not change `tensors` until the call returns. Raises PeerUnreachable, CallTimeout, RemoteError or
-        ProtocolError (all TransportError); TypeError/ValueError for arguments that cannot be sent.
+        WireError (all TransportError); TypeError/ValueError for arguments that cannot be sent.
         """
         if not 0 < timeout < math.inf:
             raise ValueError(f"timeout must be positive and finite, got {timeout}")
