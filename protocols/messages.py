@@ -50,7 +50,7 @@ MAX_ADDRS = 16
 MAX_STAGE = 1024
 MAX_VISITS = 4096  # microbatches of one iteration planned through one node
 MIN_LR_FACTOR, MAX_LR_FACTOR = 0.1, 10.0  # a learning-rate multiplier outside these corrupts weights
-DTYPES = frozenset(
+MANIFEST_DTYPES = frozenset(
     {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 )
 
@@ -61,7 +61,7 @@ class TensorSpec(Schema):
 
     name: str = field(metadata=checked(text(MAX_NAME, 1)))
     shape: tuple[int, ...] = field(metadata=checked(items(count(MAX_ELEMENTS), MAX_DIMS)))
-    dtype: str = field(metadata=checked(one_of(DTYPES)))
+    dtype: str = field(metadata=checked(one_of(MANIFEST_DTYPES)))
 
     def _check(self) -> None:
         if self.numel > MAX_ELEMENTS:

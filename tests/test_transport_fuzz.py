@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from swarmnode.transport import Limits, WireError
 from swarmnode.transport._framing import (
-    DTYPES,
     MAGIC,
     MAX_CODE_CHARS,
     MAX_ERROR_CHARS,
     PREFIX,
     VERSION,
+    WIRE_DTYPES,
     Error,
     Kind,
     read_frame,
@@ -59,7 +59,9 @@ DIMS = _mostly(
 SPECS = st.lists(
     _mostly(
         st.tuples(
-            _mostly(st.sampled_from(list(DTYPES)), st.one_of(st.sampled_from(["float64", "object"]), ANY)),
+            _mostly(
+                st.sampled_from(list(WIRE_DTYPES)), st.one_of(st.sampled_from(["float64", "object"]), ANY)
+            ),
             _mostly(st.just(0), st.one_of(st.sampled_from([1, 2, 4]), ANY)),  # 2: FLOAT16
             _mostly(st.lists(DIMS, max_size=10), ANY),
         ).map(list),
@@ -161,7 +163,7 @@ def test_msgpack_heads(
 
 def _exact_body(fields: Any) -> bytes:
     try:
-        nbytes = sum(DTYPES[dtype].itemsize * math.prod(shape) for dtype, _, shape in fields[-1])
+        nbytes = sum(WIRE_DTYPES[dtype].itemsize * math.prod(shape) for dtype, _, shape in fields[-1])
     except Exception:  # fields not shaped like a head: no body
         return b""
     return bytes(nbytes) if 0 <= nbytes <= 4096 else b""

@@ -21,12 +21,12 @@ from swarmnode.transport._errors import (
     TransportError,
     WireError,
 )
-from swarmnode.transport._framing import DTYPES, Compression, Limits
+from swarmnode.transport._framing import WIRE_DTYPES, Compression, Limits
 from swarmnode.transport._serving import Handler, Reply
 from swarmnode.transport._transport import Transport
 
 __all__ = [
-    "DTYPES",
+    "WIRE_DTYPES",
     "CallTimeout",
     "Compression",
     "Handler",

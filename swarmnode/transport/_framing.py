@@ -63,14 +63,14 @@ class Compression(enum.IntEnum):
     FLOAT16 = CompressionType.FLOAT16
 
 
-DTYPES: dict[str, torch.dtype] = {
+WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
     "int32": torch.int32,
 }
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_DTYPE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 _FP16_MAX = torch.finfo(torch.float16).max
 _KINDS = frozenset(Kind)
 _COMPRESSIONS = frozenset(Compression)
@@ -98,7 +98,7 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class WireTensor:
     """One tensor as described in a head: its dtype, how it travels, its shape."""
 
     dtype: str
@@ -107,7 +107,7 @@ class TensorSpec:
 
     @property
     def wire_dtype(self) -> torch.dtype:
-        return torch.float16 if self.compression is Compression.FLOAT16 else DTYPES[self.dtype]
+        return torch.float16 if self.compression is Compression.FLOAT16 else WIRE_DTYPES[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -120,13 +120,13 @@ class Request:
     timeout: float
     reply_compression: Compression
     meta: bytes
-    specs: tuple[TensorSpec, ...]
+    specs: tuple[WireTensor, ...]
 
 
 @dataclass(frozen=True)
 class Response:
     meta: bytes
-    specs: tuple[TensorSpec, ...]
+    specs: tuple[WireTensor, ...]
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def _encode_tensor(tensor: torch.Tensor, compression: Compression) -> tuple[list
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     name = _DTYPE_NAMES.get(tensor.dtype)
     if name is None:
-        raise TypeError(f"dtype {tensor.dtype} cannot travel; allowed: {', '.join(DTYPES)}")
+        raise TypeError(f"dtype {tensor.dtype} cannot travel; allowed: {', '.join(WIRE_DTYPES)}")
     data = tensor.detach()
     wire = Compression.NONE
     if compression == Compression.FLOAT16 and data.dtype == torch.float32:
@@ -250,10 +250,10 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_spec(raw: object, limits: Limits) -> TensorSpec:
+def _parse_spec(raw: object, limits: Limits) -> WireTensor:
     _check(isinstance(raw, list) and len(raw) == 3, "tensor spec is not [dtype, compression, shape]")
     dtype, compression, shape = raw
-    if not (isinstance(dtype, str) and dtype in DTYPES):
+    if not (isinstance(dtype, str) and dtype in WIRE_DTYPES):
         raise WireError(f"dtype {show(dtype)} is not allowed")
     if not (_is_int(compression) and compression in _COMPRESSIONS):
         raise WireError(f"compression {show(compression)} is not allowed")
@@ -264,10 +264,10 @@ def _parse_spec(raw: object, limits: Limits) -> TensorSpec:
     elements = math.prod(max(dim, 1) for dim in shape)  # Python ints: no overflow, zero dims count as 1
     if elements > limits.max_elements:
         raise WireError(f"shape {show(shape)} exceeds the limit of {limits.max_elements} elements")
-    return TensorSpec(dtype, Compression(compression), tuple(shape))
+    return WireTensor(dtype, Compression(compression), tuple(shape))
 
 
-def _parse_specs(raw: object, body_len: int, limits: Limits) -> tuple[TensorSpec, ...]:
+def _parse_specs(raw: object, body_len: int, limits: Limits) -> tuple[WireTensor, ...]:
     _check(isinstance(raw, list) and len(raw) <= limits.max_tensors, "tensor list is missing or too long")
     specs = tuple(_parse_spec(item, limits) for item in raw)
     expected = sum(spec.nbytes for spec in specs)
@@ -327,7 +327,7 @@ Read = Callable[[int], Awaitable[bytes]]
 """Reads up to n bytes of a stream, as they come; b"" once it ended (`StreamReader.read`)."""
 
 
-def _build(spec: TensorSpec, buffer: bytearray) -> torch.Tensor:
+def _build(spec: WireTensor, buffer: bytearray) -> torch.Tensor:
     try:
         if buffer:
             tensor = torch.frombuffer(buffer, dtype=spec.wire_dtype).view(spec.shape)
@@ -338,7 +338,7 @@ def _build(spec: TensorSpec, buffer: bytearray) -> torch.Tensor:
         raise WireError(f"cannot build shape {show(spec.shape)}: {type(e).__name__}") from None
 
 
-async def read_tensors(read: Read, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+async def read_tensors(read: Read, specs: Sequence[WireTensor]) -> list[torch.Tensor]:
     """Read a body with `read` and build its tensors, each owning a fresh buffer.
 
     Each buffer grows as its bytes arrive: a body announced but not sent costs no memory. Raises
