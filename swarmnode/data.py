@@ -180,6 +180,16 @@ def val_batches(
     return [_windows(tokens, row, seq_len) for row in starts.reshape(n_batches, batch_size)]
 
 
+def check_splits(corpus: Corpus, seq_len: int, source: str) -> None:
+    """DataError naming `source` and the split if a split is too short for one window of `seq_len`."""
+    for split, tokens in (("training", corpus.train_tokens), ("validation", corpus.val_tokens)):
+        if len(tokens) < seq_len + 1:
+            raise DataError(
+                f"{source}: its {split} split has {len(tokens)} tokens, fewer than the {seq_len + 1} "
+                f"(sequence length + 1) one batch needs; give more text"
+            )
+
+
 def _check_windows(tokens: np.ndarray, batch_size: int, seq_len: int) -> int:
     """Validate the batch shape; return the number of possible window starts."""
     if batch_size < 1 or seq_len < 1:

@@ -32,7 +32,7 @@ from swarmnode.records import (
     stage_key,
     subkey_of,
 )
-from swarmnode.runspec import RunSpec, RunSpecError
+from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 T = TypeVar("T")
 
@@ -182,7 +182,8 @@ class SwarmDHT:
 
     async def read_run(self) -> RunSpec | None:
         """The newest valid run definition published by one of `run_owners`; others are ignored (logged
-        once per publisher)."""
+        once per publisher). RunVersionMismatch if the owner's definition is of a swarmnode this one cannot
+        join (and none is of this one)."""
         found = await _bounded(self.dht.get(run_key(self.run_id), latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return None
@@ -199,11 +200,16 @@ class SwarmDHT:
                     publisher,
                     ", ".join(sorted(self.run_owners)) or "none given",
                 )
+        mismatch: RunVersionMismatch | None = None
         for item in sorted(owned, key=lambda item: item.expiration_time, reverse=True):
             try:
                 return decode_run(item.value)
+            except RunVersionMismatch as error:
+                mismatch = mismatch or error
             except RunSpecError:
                 continue
+        if mismatch is not None:
+            raise mismatch
         return None
 
     async def wait_for_run(self, timeout: float) -> RunSpec:

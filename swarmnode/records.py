@@ -14,6 +14,7 @@ run's owner (`SwarmDHT.read_run`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Iterable
@@ -27,7 +28,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from protocols.errors import ProtocolError
 from protocols.messages import MAX_RECORD_BYTES, NodeRecord, decode
 from swarmnode.identity import SIGNATURE_BYTES, Identity, verify
-from swarmnode.runspec import RunSpec, RunSpecError
+from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,9 @@ class SwarmRecordValidator(RecordValidatorBase):
             raise ProtocolError(f"not signed by {peer[-8:]}, the peer it names")
         value = MSGPackSerializer.loads(payload)
         if record.key == self._run_key:
-            decode_run(value)
+            # signed by its owner: kept even if of another version, so a joiner learns why it cannot join
+            with contextlib.suppress(RunVersionMismatch):
+                decode_run(value)
         else:
             decode_record(value)
 

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from protocols.messages import PROTOCOL_VERSION
+from swarmnode import __version__
 from swarmnode.presets import get_preset
 
 COMPRESSIONS = ("none", "float16")
@@ -22,6 +24,11 @@ COMPUTE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `precision.COMPUTE_D
 
 class RunSpecError(ValueError):
     """A run definition (file, flags or DHT value) that is missing fields, mistyped or inconsistent."""
+
+
+class RunVersionMismatch(RunSpecError):
+    """A run definition made by a swarmnode this one cannot join (another wire protocol, or fields it does
+    not know): the message names both versions and what to install."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,11 @@ class RunSpec:
     compression: str = "none"
     dtype: str = "float32"  # the run's default compute dtype, and how activations travel (`precision`)
     init_digests: str | None = None  # started from weights: stage 0..s's SHA-256, comma separated (`seed`)
+    tokenizer_digest: str | None = (
+        None  # the run's tokenizer.json (`tokenizer.file_digest`): data nodes match it
+    )
+    swarmnode_version: str = __version__  # of the bootstrap that published the run
+    protocol_version: int = PROTOCOL_VERSION  # the wire protocol (`protocols.messages`) every node must speak
     hop_timeout_s: float = 10.0
     iteration_timeout_s: float = 30.0
     record_period_s: float = 1.0
@@ -160,10 +172,23 @@ class RunSpec:
         """Parse a run definition from JSON or the DHT; unknown or mistyped fields raise RunSpecError."""
         if not isinstance(raw, dict):
             raise RunSpecError(f"a run definition must be a mapping, got {type(raw).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(map(str, raw)) - known)
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(map(str, raw)) - set(known))
+        theirs = raw.get("protocol_version", PROTOCOL_VERSION)
+        if theirs != PROTOCOL_VERSION or (
+            unknown and raw.get("swarmnode_version", __version__) != __version__
+        ):
+            version = raw.get("swarmnode_version")
+            made_by = f"swarmnode {version}" if isinstance(version, str) else "another swarmnode"
+            install = f"pip install 'swarmnode=={version}'" if isinstance(version, str) else "its version"
+            raise RunVersionMismatch(
+                f"the run was defined by {made_by} (wire protocol {theirs}); this is swarmnode {__version__} "
+                f"(wire protocol {PROTOCOL_VERSION}): install the run's version ({install}) to join it"
+            )
         if unknown:
-            raise RunSpecError(f"unknown run field(s): {', '.join(unknown)}")
+            raise RunSpecError(
+                f"unknown run field(s): {', '.join(unknown)}; the fields are {', '.join(known)}"
+            )
         try:
             return cls(**raw)
         except (KeyError, TypeError) as error:

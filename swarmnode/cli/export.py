@@ -7,16 +7,26 @@ from pathlib import Path
 
 import click
 
-from swarmnode.cli.swarm import OWNER_HELP, PEERS_HELP, _logging, _owners_or_fail, _peers_or_fail, _run_async
+from swarmnode.cli.swarm import (
+    OWNER_HELP,
+    PEERS_HELP,
+    RUN_ID_HELP,
+    VERBOSE_HELP,
+    _logging,
+    _owners_or_fail,
+    _peers_or_fail,
+    _run_async,
+)
 from swarmnode.data import DataError
 from swarmnode.dht import DHTUnavailable, RunNotFound
 from swarmnode.exporter import SNAPSHOT_PREFIX
 from swarmnode.modeldir import ModelFolderError, check_out_folder
+from swarmnode.runspec import RunVersionMismatch
 
 
 @click.command()
 @click.option("--initial-peers", envvar="SWARMNODE_INITIAL_PEERS", default=None, help=PEERS_HELP)
-@click.option("--run-id", default="swarm", show_default=True)
+@click.option("--run-id", default="swarm", show_default=True, help=RUN_ID_HELP)
 @click.option(
     "--out",
     type=click.Path(path_type=Path),
@@ -49,7 +59,7 @@ from swarmnode.modeldir import ModelFolderError, check_out_folder
     help="Also read each folder back and print its validation loss on the run's validation set.",
 )
 @click.option("--run-owner", "run_owners", multiple=True, envvar="SWARMNODE_RUN_OWNER", help=OWNER_HELP)
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True, help=VERBOSE_HELP)
 def export(
     initial_peers: str | None,
     run_id: str,
@@ -77,7 +87,7 @@ def export(
         raise click.BadParameter(str(error), param_hint="--out") from None
     try:
         code = _run_async(export_command(peers, run_id, owners, out, tokenizer, every_steps, keep, evaluate))
-    except (ExportError, DataError, ModelFolderError) as error:
+    except (ExportError, DataError, ModelFolderError, RunVersionMismatch) as error:
         raise click.ClickException(str(error)) from None
     except RunNotFound as error:
         raise click.ClickException(f"{error} (check --run-id and --initial-peers)") from None

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from swarmnode.data import Corpus, DataError, load_corpus
+from swarmnode.data import Corpus, DataError, check_splits, load_corpus
 from swarmnode.model import ModelConfig
 from swarmnode.modeldir import ModelFolderError, check_out_folder, check_shape, read_config, tokenizer_of
 from swarmnode.presets import Preset, get_preset
@@ -29,11 +29,14 @@ def stages_or_fail(preset: Preset, stages: int | None) -> int:
     return n_stages
 
 
-def load_corpus_or_fail(data: Path | None, tokenizer: Path | None, vocab_size: int) -> Corpus:
+def load_corpus_or_fail(data: Path | None, tokenizer: Path | None, vocab_size: int, seq_len: int) -> Corpus:
+    """The corpus, with both splits long enough for a batch of `seq_len`; else a one-line usage error."""
     try:
-        return load_corpus(data, tokenizer, vocab_size)
+        corpus = load_corpus(data, tokenizer, vocab_size)
+        check_splits(corpus, seq_len, str(data) if data is not None else "the default corpus")
     except DataError as error:
         raise click.UsageError(_message(error)) from None
+    return corpus
 
 
 def out_folder_or_fail(out: Path | None) -> None:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import click
 
 from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
-from swarmnode.data import DataError, load_corpus
+from swarmnode.data import DataError, check_splits, load_corpus
 from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable, RunNotFound, read_initial_peers
 from swarmnode.identity import Identity, IdentityError, public_key_of
-from swarmnode.runspec import RunSpec, RunSpecError
+from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 if TYPE_CHECKING:
     from swarmnode.node.seed import SeedWeights
@@ -26,6 +26,9 @@ OWNER_HELP = (
     "Peer id of the run's owner (the bootstrap: the id at the end of its address); the run definition is "
     "taken only from it. Default: the peers named by --initial-peers."
 )
+RUN_ID_HELP = "Name of the run on the DHT (the bootstrap's --run-id)."
+PORT_HELP = "TCP port to listen on (0: any free port)."
+VERBOSE_HELP = "Log at info level, hivemind's warnings included (default: warnings only)."
 DHT_TIMEOUT = f"a DHT call got no answer within {DHT_CALL_TIMEOUT_S:g} s"
 
 
@@ -91,7 +94,8 @@ def _peers_or_fail(value: str | None) -> list[str]:
     except (OSError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--initial-peers") from None
     if not peers:
-        raise click.BadParameter("no initial peers given", param_hint="--initial-peers")
+        where = f"the file {value} lists none" if value and Path(value).is_file() else "none given"
+        raise click.BadParameter(f"no initial peers: {where}", param_hint="--initial-peers")
     return peers
 
 
@@ -105,11 +109,28 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps of each data node.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None, help="Microbatches per iteration.")
 @click.option("--data", default=None, help="Data path every data node reads (default: the stdlib corpus).")
-@click.option("--seed", type=int, default=None)
+@click.option(
+    "--tokenizer",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The run's tokenizer.json: its vocabulary sets the model's, and data nodes must pass the same file "
+    "(default: a BPE trained on the data).",
+)
+@click.option("--seed", type=int, default=None, help="Seeds the initial weights and the data order.")
 @click.option("--checkfree-plus/--no-checkfree-plus", default=None, help="Swap edge stages for CheckFree+.")
-@click.option("--skip-ratio", type=click.FloatRange(0.0, 1.0, max_open=True), default=None)
+@click.option(
+    "--skip-ratio",
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    default=None,
+    help="Share of stages a SkipPipe path may skip (default 0: every path visits every stage).",
+)
 @click.option("--noloco-every", type=click.IntRange(min=1), default=None, help="NoLoCo inner steps H.")
-@click.option("--compression", type=click.Choice(["none", "float16"]), default=None)
+@click.option(
+    "--compression",
+    type=click.Choice(["none", "float16"]),
+    default=None,
+    help="How float32 activations travel (float16 halves the bytes).",
+)
 @dtype_option("The run's compute dtype, and the dtype activations travel in (default: float32).")
 @click.option(
     "--init-from",
@@ -119,13 +140,13 @@ def _peers_or_fail(value: str | None) -> list[str]:
     help="Start the run from the weights of a Hugging Face Llama folder (an export); this peer serves them.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True, help=PORT_HELP)
 @click.option("--public", is_flag=True, help="Opt in to NAT port mapping (real deployments only).")
 @click.option(
     "--peers-file", type=click.Path(path_type=Path), default=None, help="Write the multiaddrs here."
 )
 @click.option("--identity", type=click.Path(path_type=Path), default=None, help=IDENTITY_HELP)
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True, help=VERBOSE_HELP)
 def bootstrap(
     preset: str | None,
     run_file: Path | None,
@@ -134,6 +155,7 @@ def bootstrap(
     steps: int | None,
     microbatches: int | None,
     data: str | None,
+    tokenizer: Path | None,
     seed: int | None,
     checkfree_plus: bool | None,
     skip_ratio: float | None,
@@ -173,10 +195,11 @@ def bootstrap(
             compression=compression,
             dtype=dtype,
         )
-        corpus = load_corpus(spec.data, None, spec.vocab_size)
+        corpus = load_corpus(spec.data, tokenizer, spec.vocab_size)
+        check_splits(corpus, spec.seq_len, spec.data or "the default corpus")
     except (RunSpecError, ValueError, DataError) as error:
         raise click.UsageError(str(error.args[0] if error.args else error)) from None
-    spec = spec.with_overrides(vocab_size=corpus.vocab_size)
+    spec = spec.with_overrides(vocab_size=corpus.vocab_size, tokenizer_digest=corpus.tokenizer_digest)
     seed = None
     if init_from is not None:
         seed = _seed_or_fail(init_from, spec, corpus.tokenizer_path)
@@ -238,9 +261,9 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @click.command()
 @click.option("--stage", required=True, help="Stage to serve: 0 (data), 1..S, or 'auto'.")
 @click.option("--initial-peers", envvar="SWARMNODE_INITIAL_PEERS", default=None, help=PEERS_HELP)
-@click.option("--run-id", default="swarm", show_default=True)
+@click.option("--run-id", default="swarm", show_default=True, help=RUN_ID_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True, help=PORT_HELP)
 @click.option("--public", is_flag=True, help="Opt in to NAT port mapping (real deployments only).")
 @click.option(
     "--direct/--no-direct",
@@ -271,7 +294,7 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @device_option
 @dtype_option("This node's compute dtype (autocast; weights stay float32). Default: the run's.")
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True, help=VERBOSE_HELP)
 def join(
     stage: str,
     initial_peers: str | None,
@@ -294,6 +317,7 @@ def join(
 ) -> None:
     """Run one daemon serving a stage of the run the initial peers belong to."""
     from swarmnode.node.run import JoinOptions, run_join
+    from swarmnode.node.seed import SeedError
 
     _logging(verbose)
     stage_id = _stage(stage)
@@ -319,6 +343,8 @@ def join(
     )
     try:
         code = _run_async(run_join(options))
+    except (RunVersionMismatch, SeedError) as error:
+        raise click.ClickException(str(error)) from None
     except (ValueError, DataError) as error:
         raise click.UsageError(str(error)) from None
     except RunNotFound as error:
@@ -330,7 +356,7 @@ def join(
 
 @click.command()
 @click.option("--initial-peers", envvar="SWARMNODE_INITIAL_PEERS", default=None, help=PEERS_HELP)
-@click.option("--run-id", default="swarm", show_default=True)
+@click.option("--run-id", default="swarm", show_default=True, help=RUN_ID_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--watch", is_flag=True, help="Refresh every 2 seconds until interrupted.")
 @click.option("--run-owner", "run_owners", multiple=True, envvar="SWARMNODE_RUN_OWNER", help=OWNER_HELP)
@@ -348,6 +374,8 @@ def status(
         while True:
             try:
                 summary = observer.snapshot()
+            except RunVersionMismatch as error:
+                raise click.ClickException(str(error)) from None
             except TimeoutError:
                 if not watch:
                     raise click.ClickException(DHT_TIMEOUT) from None

@@ -28,13 +28,21 @@ from swarmnode.trainer import train as run_training
 @click.option(
     "--stages", type=click.IntRange(min=1), default=None, help="Transformer stages (default: the preset's)."
 )
-@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Optimizer steps.")
 @click.option(
     "--data", type=click.Path(path_type=Path), default=None, help="Text/JSONL/Parquet file or folder."
 )
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None, help="A tokenizer.json to use.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--eval-every", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seeds the initial weights and the data order."
+)
+@click.option(
+    "--eval-every",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Steps between validation losses.",
+)
 @click.option(
     "--init-from",
     type=click.Path(path_type=Path),
@@ -73,7 +81,7 @@ def train(
     out_folder_or_fail(out)
     if init_from is not None and tokenizer is None:
         tokenizer = init_tokenizer_or_fail(init_from)
-    corpus = load_corpus_or_fail(data, tokenizer, chosen.vocab_size)
+    corpus = load_corpus_or_fail(data, tokenizer, chosen.vocab_size, chosen.seq_len)
     init_from_or_fail(init_from, replace(chosen.model, vocab_size=corpus.vocab_size), chosen.name)
     config = TrainConfig(
         preset, n_stages, steps, data, tokenizer, seed, eval_every, None, init_from, out, device, dtype

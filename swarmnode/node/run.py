@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from protocols.messages import NodeRecord, NodeState
-from swarmnode.data import load_corpus
+from swarmnode.data import check_splits, load_corpus
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
@@ -204,6 +204,13 @@ def _build_node(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) 
             raise ValueError(
                 f"this node's tokenizer has {corpus.vocab_size} tokens, the run's model {spec.vocab_size}"
             )
+        if spec.tokenizer_digest is not None and corpus.tokenizer_digest != spec.tokenizer_digest:
+            mine, theirs = corpus.tokenizer_digest[:12], spec.tokenizer_digest[:12]
+            raise ValueError(
+                f"this node's tokenizer ({corpus.tokenizer_path}, digest {mine}) is not the run's (digest "
+                f"{theirs}): data nodes must tokenise alike; pass the run's tokenizer.json with --tokenizer"
+            )
+        check_splits(corpus, spec.seq_len, spec.data or "the default corpus")
         node: Node = DataNode(spec, dht, direct, corpus, options.shard, precision=precision)
     else:
         node = StageNode(spec, stage, dht, direct, rebalance=options.rebalance, precision=precision)
