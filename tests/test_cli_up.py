@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from swarmnode.cli import up as up_module
-from swarmnode.launcher import Outcome, SwarmResult
+from swarmnode.launcher import RunOutcome, SwarmResult
 
 REPORT = {
     "steps_completed": 30,
@@ -39,7 +39,7 @@ def started(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Any]:
             configs.append(config)
 
         def run(self) -> SwarmResult:
-            return SwarmResult(Outcome.COMPLETED, "30 steps done", None, REPORT)
+            return SwarmResult(RunOutcome.COMPLETED, "30 steps done", None, REPORT)
 
     monkeypatch.setattr(up_module, "LocalSwarm", FakeSwarm)
     return configs
@@ -138,16 +138,16 @@ def test_calm_means_no_failures(started: list[Any]) -> None:
 @pytest.mark.parametrize(
     ("outcome", "signum", "code"),
     [
-        (Outcome.INTERRUPTED, 2, 130),
-        (Outcome.INTERRUPTED, 15, 143),
-        (Outcome.INTERRUPTED, 1, 129),
-        (Outcome.INTERRUPTED, 3, 131),
-        (Outcome.FAILED, None, 1),
-        (Outcome.TIMEOUT, None, 1),
+        (RunOutcome.INTERRUPTED, 2, 130),
+        (RunOutcome.INTERRUPTED, 15, 143),
+        (RunOutcome.INTERRUPTED, 1, 129),
+        (RunOutcome.INTERRUPTED, 3, 131),
+        (RunOutcome.FAILED, None, 1),
+        (RunOutcome.TIMEOUT, None, 1),
     ],
 )
 def test_exit_codes_and_the_summary_of_a_run_that_did_not_complete(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, outcome: Outcome, signum: int | None, code: int
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, outcome: RunOutcome, signum: int | None, code: int
 ) -> None:
     class EndedSwarm:
         def __init__(self, config: Any) -> None:

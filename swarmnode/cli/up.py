@@ -15,7 +15,7 @@ from swarmnode.launcher import (
     FAIL_RATE_UNIT,
     STALL_TIMEOUT_S,
     LocalSwarm,
-    Outcome,
+    RunOutcome,
     StageKill,
     SwarmConfig,
     SwarmResult,
@@ -183,9 +183,9 @@ def up(
     _out_or_fail(out)
     result = LocalSwarm(config).run()  # prints progress and its outcome to stderr
     click.echo(summary(result))
-    if result.outcome is Outcome.INTERRUPTED:
+    if result.outcome is RunOutcome.INTERRUPTED:
         sys.exit(128 + (result.signum or signal.SIGINT))
-    if result.outcome is not Outcome.COMPLETED:
+    if result.outcome is not RunOutcome.COMPLETED:
         sys.exit(1)
 
 
@@ -228,7 +228,7 @@ def summary(result: SwarmResult) -> str:
         f", stage {lost['stage']} lost at step {lost['lost_at_step']} and not rebuilt by the end"
         for lost in report["stages_not_recovered"]
     )
-    outcome = "" if result.outcome is Outcome.COMPLETED else f"{result.outcome.value}: "
+    outcome = "" if result.outcome is RunOutcome.COMPLETED else f"{result.outcome.value}: "
     return (
         f"{outcome}{report['steps_completed']} steps: loss {loss('initial_loss')} -> {loss('final_loss')}, "
         f"validation {loss('val_loss')}, {'?' if speed is None else f'{speed:.0f}'} tokens/s, "

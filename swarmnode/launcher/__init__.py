@@ -8,15 +8,15 @@ lines) and `swarm` (the supervisor).
 
 from swarmnode.launcher.config import FAIL_RATE_UNIT, STALL_TIMEOUT_S, SwarmConfig
 from swarmnode.launcher.plan import KillPlan, RandomKills, StageKill, parse_stage_kill
-from swarmnode.launcher.swarm import LocalSwarm, Outcome, SwarmResult
+from swarmnode.launcher.swarm import LocalSwarm, RunOutcome, SwarmResult
 
 __all__ = [
     "FAIL_RATE_UNIT",
     "STALL_TIMEOUT_S",
     "KillPlan",
     "LocalSwarm",
-    "Outcome",
     "RandomKills",
+    "RunOutcome",
     "StageKill",
     "SwarmConfig",
     "SwarmResult",

@@ -28,7 +28,7 @@ class Failure:
 
 
 @dataclass(frozen=True)
-class Recovery:
+class RecoveryRecord:
     """A stage taken over or rebuilt, as the recovering node reported it (`duration`); `downtime` is how long
     the stage had no node at all before (None if it was never lost)."""
 
@@ -79,7 +79,7 @@ class RunRecord:
     def __init__(self, started: float) -> None:
         self.started = started
         self.failures: list[Failure] = []
-        self.recoveries: list[Recovery] = []
+        self.recoveries: list[RecoveryRecord] = []
         self.microbatches_lost = 0
         self._lost_since: dict[int, LostStage] = {}
         self._losses: dict[int, list[float]] = defaultdict(list)
@@ -110,7 +110,9 @@ class RunRecord:
                 seconds = event.time - self.started
                 lost = self._lost_since.pop(event.stage, None)
                 downtime = None if lost is None else max(0.0, seconds - lost.seconds)
-                recovery = Recovery(seconds, self.step, event.stage, event.method, event.seconds, downtime)
+                recovery = RecoveryRecord(
+                    seconds, self.step, event.stage, event.method, event.seconds, downtime
+                )
                 self.recoveries.append(recovery)
             case OuterStep():
                 stage = self.outer_steps[event.stage]

@@ -26,7 +26,7 @@ from swarmnode.launcher.export import describe, export_model
 from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.plan import Kill, KillPlan, RandomKills
 from swarmnode.launcher.procs import ChildProcess, LineTail, StopSignals, stop_all
-from swarmnode.launcher.record import Recovery, RunRecord
+from swarmnode.launcher.record import RecoveryRecord, RunRecord
 from swarmnode.launcher.report import build_report, plot_loss, write_report
 
 TICK_S = 0.2  # supervision loop period
@@ -37,7 +37,7 @@ OBSERVE_INTERVAL_S = 2.0
 SNAPSHOT_STALE_S = 10.0
 
 
-class Outcome(Enum):
+class RunOutcome(Enum):
     COMPLETED = "completed"
     INTERRUPTED = "interrupted"
     TIMEOUT = "timeout"
@@ -46,7 +46,7 @@ class Outcome(Enum):
 
 @dataclass(frozen=True)
 class SwarmResult:
-    outcome: Outcome
+    outcome: RunOutcome
     message: str
     signum: int | None
     report: dict[str, Any]
@@ -102,11 +102,11 @@ class LocalSwarm:
     def run(self) -> SwarmResult:
         """Run the swarm, end every child, write the report; never leaves a child process behind."""
         self.logs.mkdir(parents=True, exist_ok=True)
-        outcome, message = Outcome.FAILED, "the launcher stopped on an unexpected error"
+        outcome, message = RunOutcome.FAILED, "the launcher stopped on an unexpected error"
         with StopSignals() as stop:
             try:
                 outcome, message = self._supervise(stop)
-                if outcome is Outcome.COMPLETED:
+                if outcome is RunOutcome.COMPLETED:
                     self._export(stop)
             finally:
                 try:
@@ -116,7 +116,7 @@ class LocalSwarm:
         self._display.event(f"{outcome.value}: {message}; report in {self.out / 'report.json'}")
         return SwarmResult(outcome, message, stop.received[0] if stop.received else None, report)
 
-    def _supervise(self, stop: StopSignals) -> tuple[Outcome, str]:
+    def _supervise(self, stop: StopSignals) -> tuple[RunOutcome, str]:
         config = self.config
         failed = self._start_bootstrap(stop)
         if failed is not None:
@@ -151,25 +151,25 @@ class LocalSwarm:
                     for node in self._nodes
                 )
                 if not training or now - self._finishing_since >= FINISH_GRACE_S:
-                    return Outcome.COMPLETED, f"{self._record.step} steps done"
+                    return RunOutcome.COMPLETED, f"{self._record.step} steps done"
             else:
                 self._respawn_due(now)
                 for kill in self._plan.due(now, self._record.step):
                     self._inject(kill)
                 if self._stalled(now):
                     return (
-                        Outcome.FAILED,
+                        RunOutcome.FAILED,
                         f"stalled: no data node reported a new step for {config.stall_timeout:g} s "
                         f"(at step {self._record.step}; see the logs in {self.logs})",
                     )
             if self._timed_out(now):
                 return (
-                    Outcome.TIMEOUT,
+                    RunOutcome.TIMEOUT,
                     f"stopped by the {config.timeout:g} s timeout at step {self._record.step}",
                 )
             if stop.received:
                 name = signal.Signals(stop.received[0]).name
-                return Outcome.INTERRUPTED, f"stopped by {name} at step {self._record.step}"
+                return RunOutcome.INTERRUPTED, f"stopped by {name} at step {self._record.step}"
             self._display.status(self._status_text)
             time.sleep(TICK_S)
 
@@ -179,20 +179,23 @@ class LocalSwarm:
         self._model = export_model(self.config, self.logs, self._env, stop)
         self._display.event(describe(self._model, self._record.val_loss))
 
-    def _start_bootstrap(self, stop: StopSignals) -> tuple[Outcome, str] | None:
+    def _start_bootstrap(self, stop: StopSignals) -> tuple[RunOutcome, str] | None:
         self.peers_file.unlink(missing_ok=True)
         argv = self.config.bootstrap_argv()
         self._bootstrap = bootstrap = ChildProcess("bootstrap", argv, self.logs, self._env)
         deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
         while (peers := read_peers(self.peers_file)) is None:
             if bootstrap.poll() is not None:
-                return Outcome.FAILED, _exit_message("the bootstrap peer", bootstrap)
+                return RunOutcome.FAILED, _exit_message("the bootstrap peer", bootstrap)
             if stop.received:
-                return Outcome.INTERRUPTED, "stopped while the bootstrap peer was starting"
+                return RunOutcome.INTERRUPTED, "stopped while the bootstrap peer was starting"
             if time.monotonic() >= deadline:
-                return Outcome.FAILED, f"the bootstrap peer wrote no peers file in {BOOTSTRAP_TIMEOUT_S:g} s"
+                return (
+                    RunOutcome.FAILED,
+                    f"the bootstrap peer wrote no peers file in {BOOTSTRAP_TIMEOUT_S:g} s",
+                )
             if self._timed_out(time.monotonic()):
-                return Outcome.TIMEOUT, f"stopped by the {self.config.timeout:g} s timeout during startup"
+                return RunOutcome.TIMEOUT, f"stopped by the {self.config.timeout:g} s timeout during startup"
             time.sleep(TICK_S)
         self._display.event(f"bootstrap ready at {peers[0]}")
         return None
@@ -244,7 +247,7 @@ class LocalSwarm:
             seconds = time.monotonic() - self._started
             self._display.event(f"all {self.config.initial_nodes} nodes joined after {seconds:.1f} s")
 
-    def _on_recovered(self, node: _Node, recovery: Recovery) -> None:
+    def _on_recovered(self, node: _Node, recovery: RecoveryRecord) -> None:
         how = (
             "synced from a live replica" if recovery.method == "replica" else f"rebuilt by {recovery.method}"
         )
@@ -253,13 +256,13 @@ class LocalSwarm:
             f"stage {recovery.stage} {how} in {recovery.duration:.1f} s ({node.process.name}{down})"
         )
 
-    def _check_exits(self, now: float) -> tuple[Outcome, str] | None:
+    def _check_exits(self, now: float) -> tuple[RunOutcome, str] | None:
         if (
             self._bootstrap is not None
             and self._bootstrap.poll() is not None
             and self._finishing_since is None
         ):
-            return Outcome.FAILED, _exit_message("the bootstrap peer", self._bootstrap)
+            return RunOutcome.FAILED, _exit_message("the bootstrap peer", self._bootstrap)
         observer = self._observer  # polled even once it stopped: poll() notes when its group is gone
         if observer is not None and observer.poll() is not None and self._observer_tail is not None:
             observer.kill()
@@ -288,7 +291,7 @@ class LocalSwarm:
                 self._display.event(_exit_message(f"{name} (stage {_stage(node)})", node.process))
                 if self._crashes > max(10, 2 * self.config.initial_nodes):
                     last = _exit_message(name, node.process)
-                    return Outcome.FAILED, f"{self._crashes} nodes crashed; the last: {last}"
+                    return RunOutcome.FAILED, f"{self._crashes} nodes crashed; the last: {last}"
                 self._respawns.append((now + self.config.respawn_delay, node))
                 self._report_lost(node.stage)
         return None
@@ -382,7 +385,7 @@ class LocalSwarm:
             )
         self._read_events()
 
-    def _write_report(self, outcome: Outcome, message: str) -> dict[str, Any]:
+    def _write_report(self, outcome: RunOutcome, message: str) -> dict[str, Any]:
         config, record = self.config, self._record
         nodes = [_entry(child, None, None, killed=False) for child in self._helpers]
         nodes += [_entry(node.process, node.stage, node.peer_id, node.killed) for node in self._nodes]

@@ -28,7 +28,7 @@ from swarmnode.launcher.events import (
 from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.record import RunRecord
 from swarmnode.launcher.report import build_report, plot_loss, write_report
-from swarmnode.launcher.swarm import Outcome, SwarmResult
+from swarmnode.launcher.swarm import RunOutcome, SwarmResult
 
 START = 1_700_000_000.0
 
@@ -198,7 +198,7 @@ def test_a_stage_never_rebuilt_is_reported(tmp_path: Path) -> None:
     record.stage_lost(START + 41.0, 3)  # no node reports recovering stage 3 before the run ends
     report = build_report(record, "completed", "40 steps done", 45.0, {}, [])
     assert report["stages_not_recovered"] == [{"stage": 3, "lost_at_step": 40, "lost_at_seconds": 41.0}]
-    line = summary(SwarmResult(Outcome.COMPLETED, "40 steps done", None, report))
+    line = summary(SwarmResult(RunOutcome.COMPLETED, "40 steps done", None, report))
     assert "replica x1 (1.0 s), stage 3 lost at step 40 and not rebuilt by the end, 2 microbatches" in line
     assert build_report(recorded_run(), "completed", "", 45.0, {}, [])["stages_not_recovered"] == []
 

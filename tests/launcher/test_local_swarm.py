@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from proc_state import running
 
-from swarmnode.launcher import LocalSwarm, Outcome, StageKill, SwarmConfig
+from swarmnode.launcher import LocalSwarm, RunOutcome, StageKill, SwarmConfig
 
 FAKE = (sys.executable, str(Path(__file__).with_name("fake_swarmnode.py")))
 
@@ -65,7 +65,7 @@ def test_a_run_with_a_planned_kill(tmp_path: Path, pids_dir: Path, monkeypatch: 
     settings = config(tmp_path, steps=20, kills=(StageKill(2, 4),), stall_timeout=3.0)
     result = LocalSwarm(settings, stream).run()
     progress = stream.getvalue()
-    assert result.outcome is Outcome.COMPLETED, progress
+    assert result.outcome is RunOutcome.COMPLETED, progress
 
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report == result.report
@@ -114,7 +114,7 @@ def test_bootstrap_failure_is_reported(
 ) -> None:
     monkeypatch.setenv("FAKE_BOOTSTRAP_EXIT", "4")
     result = LocalSwarm(config(tmp_path), io.StringIO()).run()
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is RunOutcome.FAILED
     assert "the bootstrap peer exited with code 4: fake bootstrap: cannot listen" in result.message
     assert result.report["outcome"] == "failed"
     assert [(node["name"], node["exit_code"]) for node in result.report["nodes"]] == [("bootstrap", 4)]
@@ -126,7 +126,7 @@ def test_crashing_nodes_are_replaced_until_too_many(
     monkeypatch.setenv("FAKE_JOIN_EXIT", "3")
     stream = io.StringIO()
     result = LocalSwarm(config(tmp_path, respawn_delay=0.0), stream).run()
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is RunOutcome.FAILED
     assert result.message.startswith("11 nodes crashed; the last: spot")
     assert "exited with code 3: fake join: boom" in result.message
     assert len(result.report["failures"]) == 11
@@ -137,14 +137,14 @@ def test_crashing_nodes_are_replaced_until_too_many(
 def test_timeout(tmp_path: Path, pids_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_STEP_S", "10")
     result = LocalSwarm(config(tmp_path, timeout=2.0), io.StringIO()).run()
-    assert result.outcome is Outcome.TIMEOUT and "2 s timeout" in result.message
+    assert result.outcome is RunOutcome.TIMEOUT and "2 s timeout" in result.message
     assert_all_gone(fake_pids(pids_dir))
 
 
 def test_a_stalled_run_fails(tmp_path: Path, pids_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_STEP_S", "60")  # the data nodes start, and never report a step
     result = LocalSwarm(config(tmp_path, stall_timeout=1.0), io.StringIO()).run()
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is RunOutcome.FAILED
     assert result.message.startswith("stalled: no data node reported a new step for 1 s (at step 0; see ")
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["outcome"] == "failed" and report["settings"]["stall_timeout"] == 1.0
@@ -160,7 +160,7 @@ class BrokenPipe(io.StringIO):
 
 def test_a_broken_progress_stream_changes_nothing(tmp_path: Path, pids_dir: Path) -> None:
     result = LocalSwarm(config(tmp_path), BrokenPipe()).run()
-    assert result.outcome is Outcome.COMPLETED, result.message
+    assert result.outcome is RunOutcome.COMPLETED, result.message
     assert json.loads((tmp_path / "out" / "report.json").read_text())["outcome"] == "completed"
     assert_all_gone(fake_pids(pids_dir))
 
