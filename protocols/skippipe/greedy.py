@@ -182,6 +182,7 @@ class _Planner:
         self.counts = [0] * (view.n_stages + 1)
         self.timelines = [Timeline() for _ in range(view.n_nodes)]
         self.idle = Timeline()
+        self.look = self.timelines if aware else [self.idle] * view.n_nodes  # what a path is timed against
         self.visits = [0] * view.n_nodes
         share = math.ceil(self.n_mb * space.k / view.n_stages)  # visits per stage, at most
         self.caps = (
@@ -209,9 +210,6 @@ class _Planner:
             self.timelines[node].holds.append((start, end))
         return chosen
 
-    def _look(self, node: int) -> Timeline:
-        return self.timelines[node] if self.aware else self.idle
-
     def _forward(self, d: int, release: float, prefix: Order, layers: dict[Order, _Layer]) -> _Layer:
         """Per replica of the prefix's last stage, the earliest-ending forward chain along `prefix`."""
         layer = layers.get(prefix)
@@ -219,7 +217,7 @@ class _Planner:
             return layer
         fwd, links, memory = self.view.forward_s, self.view.link_s, self.memory
         if not prefix:
-            start = self._look(d).earliest_start(release, fwd[d])
+            start = self.look[d].earliest_start(release, fwd[d])
             layer = {d: (start + fwd[d], ((d, start),))}
         else:
             before = self._forward(d, release, prefix[:-1], layers)
@@ -228,16 +226,20 @@ class _Planner:
             open_replicas = [
                 y for y in self.view.stages[prefix[-1]] if self.caps is None or self.visits[y] < self.caps[y]
             ]
-            for y in open_replicas if before else ():
-                x = min(before, key=lambda x: before[x][0] + links[x][y])
-                arrivals[y] = (before[x][0] + links[x][y], x)
+            for y in open_replicas:
+                arrive, x = math.inf, -1
+                for v, (t, _) in before.items():  # the first earliest, as min() would
+                    if t + links[v][y] < arrive:
+                        arrive, x = t + links[v][y], v
+                if x >= 0:
+                    arrivals[y] = (arrive, x)
             replicas = list(arrivals)
             if len(replicas) > _WIDTH:  # keep the replicas that look soonest done, counting their load
-                loads = {y: fwd[y] * (1 + len(self._look(y).holds)) for y in replicas}
+                loads = {y: fwd[y] * (1 + len(self.look[y].holds)) for y in replicas}
                 replicas = sorted(replicas, key=lambda y: (arrivals[y][0] + loads[y], y))[:_WIDTH]
             for y in replicas:
                 arrive, x = arrivals[y]
-                timeline = self._look(y)
+                timeline = self.look[y]
                 begin = timeline.earliest_start(timeline.slot_free(arrive, memory), fwd[y])
                 layer[y] = (begin + fwd[y], (*before[x][1], (y, begin)))
         layers[prefix] = layer
@@ -253,18 +255,18 @@ class _Planner:
         for last, (t, ((_, start), *chain)) in self._forward(d, release, order, layers).items():
             tasks = [(d, start, start + fwd[d])] + [(y, s, s + fwd[y]) for y, s in chain]
             head = view.head_factor * fwd[d]
-            begin = self._look(d).earliest_start(t + links[last][d], head)
+            begin = self.look[d].earliest_start(t + links[last][d], head)
             t, here = begin + head, d
             tasks.append((d, begin, t))
             holds = []
             for y, forward_start in reversed(chain):
                 duration = view.backward_factor * fwd[y]
-                begin = self._look(y).earliest_start(t + links[here][y], duration)
+                begin = self.look[y].earliest_start(t + links[here][y], duration)
                 t, here = begin + duration, y
                 tasks.append((y, begin, t))
                 holds.append((y, forward_start, t))
             duration = view.backward_factor * fwd[d]
-            begin = self._look(d).earliest_start(t + links[here][d], duration)
+            begin = self.look[d].earliest_start(t + links[here][d], duration)
             tasks.append((d, begin, begin + duration))
             nodes = tuple(y for y, _ in chain)
             out.append(_Candidate(begin + duration, kind, frozenset(order), nodes, tasks, holds))
