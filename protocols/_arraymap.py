@@ -1,4 +1,4 @@
-"""Checks and arithmetic over tensor maps: mappings name -> array-like.
+"""Checks and arithmetic over array maps: mappings name -> array-like.
 
 An array-like is anything with `.shape`, `.sum()` and `+ - *` with scalars and with its own kind: torch
 tensors and numpy arrays both qualify, so this module needs neither. Results are new objects; inputs are
@@ -12,7 +12,7 @@ from typing import Any
 
 from protocols.errors import LocalProtocolError
 
-TensorMap = Mapping[str, Any]
+ArrayMap = Mapping[str, Any]
 
 
 def shape_of(value: Any) -> tuple[int, ...]:
@@ -23,7 +23,7 @@ def shape_of(value: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-def layout_mismatch(reference: TensorMap, other: TensorMap) -> str | None:
+def layout_mismatch(reference: ArrayMap, other: ArrayMap) -> str | None:
     """Why `other` does not have the names and shapes of `reference`, or None if it does."""
     missing = sorted(set(reference) - set(other))
     extra = sorted(set(other) - set(reference))
@@ -36,7 +36,7 @@ def layout_mismatch(reference: TensorMap, other: TensorMap) -> str | None:
     return None
 
 
-def check_same_layout(reference: TensorMap, others: Sequence[tuple[str, TensorMap]]) -> None:
+def check_same_layout(reference: ArrayMap, others: Sequence[tuple[str, ArrayMap]]) -> None:
     """Raise LocalProtocolError unless every labelled map in `others` has `reference`'s names and shapes."""
     for label, other in others:
         problem = layout_mismatch(reference, other)
@@ -44,7 +44,7 @@ def check_same_layout(reference: TensorMap, others: Sequence[tuple[str, TensorMa
             raise LocalProtocolError(f"{label}: {problem}")
 
 
-def first_non_finite(tensors: TensorMap) -> str | None:
+def first_non_finite(tensors: ArrayMap) -> str | None:
     """The name of the first tensor holding a NaN or an infinity, or None if all are finite."""
     for name, value in tensors.items():
         # x * 0 is 0 for finite x and NaN for NaN and +-inf: the sum is 0 exactly when all are finite.
@@ -53,7 +53,7 @@ def first_non_finite(tensors: TensorMap) -> str | None:
     return None
 
 
-def weighted_sum(maps: Sequence[TensorMap], weights: Sequence[float]) -> dict[str, Any]:
+def weighted_sum(maps: Sequence[ArrayMap], weights: Sequence[float]) -> dict[str, Any]:
     """sum_k weights[k] * maps[k], name by name (maps must share one layout)."""
     result = {}
     for name in maps[0]:

@@ -1,8 +1,8 @@
 """Magnitude bounds on what peers send: NoLoCo partners' weights, donors' clocks and optimizer state.
 
 Names, shapes and finiteness are checked elsewhere; these checks catch finite values no honest peer sends
-(`1e30` tensors, `step = 2**63 - 1`). Each returns why the input is out of bounds, or None. Tensor maps are
-mappings name -> array-like, as in `protocols._tensormap`.
+(`1e30` tensors, `step = 2**63 - 1`). Each returns why the input is out of bounds, or None. Array maps are
+mappings name -> array-like, as in `protocols._arraymap`.
 
 `MAX_DRIFT` bounds an averaging partner's phi and theta, and a donor's slow weights phi and outer momentum
 delta, relative to the weights they are compared with: ||theirs - ours|| / ||ours|| over the whole stage.
@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from protocols._tensormap import TensorMap, shape_of
+from protocols._arraymap import ArrayMap, shape_of
 from protocols.errors import LocalProtocolError
 
 MAX_DRIFT = 4.0
@@ -35,19 +35,19 @@ MOMENT_SLACK = 1.01
 _TINY = 1e-12  # the norm below which a map counts as zero
 
 
-def norm(tensors: TensorMap) -> float:
+def norm(tensors: ArrayMap) -> float:
     """The L2 norm of all the tensors together (inf if it overflows)."""
     return math.sqrt(sum(_squares(value) for value in tensors.values()))
 
 
-def relative_distance(theirs: TensorMap, ours: TensorMap) -> float:
+def relative_distance(theirs: ArrayMap, ours: ArrayMap) -> float:
     """||theirs - ours|| / ||ours|| over the names of `ours` (same layout assumed; inf if it overflows)."""
     squares = sum(_squares(theirs[name] - value) for name, value in ours.items())  # one tensor at a time
     return math.sqrt(squares) / max(norm(ours), _TINY)
 
 
 def drift_problem(
-    ours: TensorMap, labelled: Sequence[tuple[str, TensorMap]], bound: float = MAX_DRIFT
+    ours: ArrayMap, labelled: Sequence[tuple[str, ArrayMap]], bound: float = MAX_DRIFT
 ) -> str | None:
     """Why a labelled map lies too far from `ours` (relative distance above `bound`), or None."""
     _check_bound("bound", bound)
@@ -58,7 +58,7 @@ def drift_problem(
     return None
 
 
-def size_problem(label: str, tensors: TensorMap, ours: TensorMap, bound: float = MAX_DRIFT) -> str | None:
+def size_problem(label: str, tensors: ArrayMap, ours: ArrayMap, bound: float = MAX_DRIFT) -> str | None:
     """Why `tensors` (an update such as NoLoCo's delta) are too large against `ours`, or None."""
     _check_bound("bound", bound)
     ratio = norm(tensors) / max(norm(ours), _TINY)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from protocols._tensormap import TensorMap, check_same_layout, first_non_finite, weighted_sum
+from protocols._arraymap import ArrayMap, check_same_layout, first_non_finite, weighted_sum
 from protocols.errors import LocalProtocolError, RemoteProtocolError
 
 DEFAULT_LR_FACTOR = 1.1
@@ -230,8 +230,8 @@ def reinit_seed(run_seed: int, stage: int, step: int) -> int:
 
 
 def average_neighbours(
-    previous: TensorMap,
-    following: TensorMap,
+    previous: ArrayMap,
+    following: ArrayMap,
     previous_grad_norm: float | None,
     following_grad_norm: float | None,
 ) -> dict[str, Any]:
@@ -264,14 +264,14 @@ def average_neighbours(
     return weighted_sum([previous, following], weights)
 
 
-def copy_partner(partner: TensorMap) -> dict[str, Any]:
+def copy_partner(partner: ArrayMap) -> dict[str, Any]:
     """Stage 1 (stage s) becomes a copy of stage 2 (stage s-1): its CheckFree+ swap partner, or, where no
     swap ran, its only transformer neighbour (CheckFree's average over one neighbour)."""
     _check_finite(("swap partner", partner))
     return dict(partner)
 
 
-def restore_embeddings(embedding_copy: TensorMap, head_copy: TensorMap) -> dict[str, Any]:
+def restore_embeddings(embedding_copy: ArrayMap, head_copy: ArrayMap) -> dict[str, Any]:
     """CheckFree+: stage 0's state, exactly, from the copy of E (stage 1) and the copy of E' (stage s)."""
     overlap = sorted(set(embedding_copy) & set(head_copy))
     if overlap:
@@ -310,7 +310,7 @@ def _check_swaps(num_stages: int, checkfree_plus: bool, swaps_ran: bool) -> None
         )
 
 
-def _check_finite(*labelled: tuple[str, TensorMap]) -> None:
+def _check_finite(*labelled: tuple[str, ArrayMap]) -> None:
     for label, tensors in labelled:
         bad = first_non_finite(tensors)
         if bad is not None:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from protocols._tensormap import (
-    TensorMap,
+from protocols._arraymap import (
+    ArrayMap,
     check_same_layout,
     first_non_finite,
     layout_mismatch,
@@ -90,11 +90,11 @@ class OuterResult:
 
 def noloco_outer_step(
     config: OuterConfig,
-    phi: TensorMap,
-    theta: TensorMap,
-    delta: TensorMap | None,
-    partner_phis: Sequence[TensorMap] = (),
-    partner_thetas: Sequence[TensorMap] = (),
+    phi: ArrayMap,
+    theta: ArrayMap,
+    delta: ArrayMap | None,
+    partner_phis: Sequence[ArrayMap] = (),
+    partner_thetas: Sequence[ArrayMap] = (),
 ) -> OuterResult:
     """One NoLoCo outer step of replica i over the group {i} + partners.
 
@@ -133,7 +133,7 @@ def _mean(values: list[Any], share: float) -> Any:
 
 
 def diloco_outer_step(
-    config: OuterConfig, phi: TensorMap, delta: TensorMap | None, thetas: Sequence[TensorMap]
+    config: OuterConfig, phi: ArrayMap, delta: ArrayMap | None, thetas: Sequence[ArrayMap]
 ) -> OuterResult:
     """The DiLoCo heavy-ball outer step: NoLoCo with G = all replicas, which share `phi`.
 
@@ -188,8 +188,8 @@ class Outcome:
     phase: Phase
     partner: str | None
     reason: str
-    partner_phis: tuple[TensorMap, ...] = ()
-    partner_thetas: tuple[TensorMap, ...] = ()
+    partner_phis: tuple[ArrayMap, ...] = ()
+    partner_thetas: tuple[ArrayMap, ...] = ()
 
 
 class PairingRound:
@@ -251,7 +251,7 @@ class PairingRound:
             return Decline.INITIATOR, f"{self.me} initiates this pair's exchange; {sender} should wait for it"
         return None
 
-    def deliver(self, sender: str, phi: TensorMap, theta: TensorMap, own_phi: TensorMap) -> Outcome:
+    def deliver(self, sender: str, phi: ArrayMap, theta: ArrayMap, own_phi: ArrayMap) -> Outcome:
         """The partner's phi and theta arrived. Complete, finite and within `bounds.MAX_DRIFT` of `own_phi`:
         paired; anything else: alone.
 

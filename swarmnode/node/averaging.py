@@ -35,12 +35,10 @@ from protocols.noloco import OuterConfig, OuterResult, PairingRound, Phase, nolo
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
-from swarmnode.node.state import manifest, weights
+from swarmnode.node.state import TensorMap, manifest, weights
 from swarmnode.transport import Transport, TransportError
 
 logger = logging.getLogger(__name__)
-
-TensorMap = dict[str, Tensor]
 
 
 @dataclass

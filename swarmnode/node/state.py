@@ -18,7 +18,7 @@ from protocols.bounds import drift_problem, moments_problem, size_problem
 from protocols.messages import StatePart, TensorSpec
 from swarmnode.optim import StageOptimizer
 
-TensorMap = dict[str, Tensor]
+TensorMap = dict[str, Tensor]  # the runtime's one name -> torch tensor map (protocols': `ArrayMap`)
 
 ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
 EMBEDDING_PREFIX = "embedding."
