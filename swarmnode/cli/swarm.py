@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
+from swarmnode.cli.config_file import config_option
 from swarmnode.data import DataError, check_splits, load_corpus
 from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable, RunNotFound, read_initial_peers
 from swarmnode.identity import Identity, IdentityError, public_key_of
@@ -100,6 +101,7 @@ def _peers_or_fail(value: str | None) -> list[str]:
 
 
 @click.command()
+@config_option
 @click.option("--preset", default=None, help="Model preset (default: tiny, or the run file's).")
 @click.option(
     "--run", "run_file", type=click.Path(path_type=Path), default=None, help="A run definition JSON."
@@ -259,6 +261,7 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 
 
 @click.command()
+@config_option
 @click.option("--stage", required=True, help="Stage to serve: 0 (data), 1..S, or 'auto'.")
 @click.option("--initial-peers", envvar="SWARMNODE_INITIAL_PEERS", default=None, help=PEERS_HELP)
 @click.option("--run-id", default="swarm", show_default=True, help=RUN_ID_HELP)
