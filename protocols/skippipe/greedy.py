@@ -12,6 +12,9 @@ Paths that would overflow a node's memory are avoided unless they finish much ea
 Balanced coverage (rule 5) is kept by always holding a completion: stage sets for the microbatches still
 to plan that balance the stage visits. A candidate from that completion is always acceptable; any other
 is taken only if a new completion is found with it.
+
+In large swarms a forward chain is extended to the `_WIDTH` replicas per stage that look soonest done,
+and where ranking every order would take too long the completion's stage sets are the only options.
 """
 
 from __future__ import annotations

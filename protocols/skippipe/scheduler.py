@@ -10,7 +10,8 @@
    stage, so the visit counts stay put), or swap two stages of a path where rule 4 and the path's kind
    allow. A change is kept only if it keeps every drawn replica reached and the iteration ends earlier,
    or as early with the microbatches finishing earlier in sum. A plan that deadlocks on memory never
-   ends, so it never wins.
+   ends, so it never wins. A trial is timed from the last snapshot of the current plan's simulation
+   before its first change, and dropped as soon as it must end later (`Simulator.rerun`).
 
 Everything is deterministic for a seed; an optional clock and budget only cut the search short.
 """

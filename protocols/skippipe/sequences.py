@@ -5,6 +5,10 @@ both edge pairs, `(2, 1, .., s, s-1)`, and the other paths swap neither edge pai
 where no order swaps both pairs (fewer than 4 stages per path or in the model, except the 2-stage
 `(2, 1)`), CheckFree+ paths alternate between swapping the first pair and swapping the last pair; with
 one stage per path there is nothing to swap and no path is CheckFree+.
+
+Large spaces (more than `_MAX_SETS` stage sets) keep each set in stage order plus its edge swaps only, and
+the balance fill scores a seeded sample of the sets per path: enough for CheckFree+ and coverage, without
+enumerating tens of thousands of orders.
 """
 
 from __future__ import annotations
@@ -20,9 +24,8 @@ from protocols.errors import LocalProtocolError
 from protocols.skippipe.rules import PathRules, order_violations
 
 Order = tuple[int, ...]
-_Pool = tuple[
-    tuple[frozenset[int], ...], Mapping[frozenset[int], object], frozenset[int]
-]  # sets, lookup, required
+# per kind: its stage sets, the same for look-ups, and the stages every one of them holds
+_Pool = tuple[tuple[frozenset[int], ...], Mapping[frozenset[int], object], frozenset[int]]
 _ATTEMPTS = 8
 _MAX_SETS = 400  # stage sets beyond which only edge swaps are enumerated
 _SAMPLE = 256  # stage sets scored per path when filling from a larger choice
@@ -123,8 +126,7 @@ class SequenceSpace:
     ) -> list[frozenset[int]] | None:
         """Stage sets for paths of these kinds that bring the stage visit `counts` (index 0 unused) of an
         iteration of `n_microbatches` into balance, or None if this greedy attempt finds none."""
-        k = self.rules.stages_per_path(self.n_stages)
-        low, extra = divmod(n_microbatches * k, self.n_stages)
+        low, extra = divmod(n_microbatches * self.k, self.n_stages)
         return _fill([self.pools[kind] for kind in kinds], list(counts), low, extra, rng)
 
 

@@ -19,6 +19,10 @@ A collision is a task arriving at a node that is busy or already has tasks waiti
 With `fifo` a plainer model times the same paths: every node serves its tasks in arrival order (no
 priority for backward passes) and holds any number of microbatches. A plan's advantage should hold in
 both models, not only in the one it was optimised in.
+
+`Simulator` keeps task chains between runs and re-times a changed plan from snapshots of a traced one
+(`trace`, `rerun`): the state before the first changed task is the traced plan's, so only the rest of
+the iteration is replayed, with the same result as a fresh run.
 """
 
 from __future__ import annotations
