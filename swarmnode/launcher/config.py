@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarmnode.launcher.plan import StageKill
+from swarmnode.launcher.kill_plan import StageKill
 
 FAIL_RATE_UNIT = "probability that a given transformer stage fails within one minute"
 STALL_TIMEOUT_S = 300.0  # a run whose data nodes report no new step for this long has failed

@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from swarmnode.launcher.events import Event, MicrobatchLost, OuterStep, Recovered, Step, Validation
+from swarmnode.launcher.daemon_events import Event, MicrobatchLost, OuterStep, Recovered, Step, Validation
 
 FINAL_LOSS_STEPS = 10  # final_loss averages the last steps, as the single-process trainer does
 

@@ -20,11 +20,19 @@ from enum import Enum
 from typing import Any, TextIO
 
 from swarmnode.launcher.config import SwarmConfig, read_peers
+from swarmnode.launcher.daemon_events import (
+    Finished,
+    Joining,
+    Online,
+    Recovered,
+    Step,
+    Validation,
+    parse_event,
+)
 from swarmnode.launcher.display import Display, StageCount, status_line
-from swarmnode.launcher.events import Finished, Joining, Online, Recovered, Step, Validation, parse_event
 from swarmnode.launcher.export import describe, export_model
+from swarmnode.launcher.kill_plan import Kill, KillPlan, RandomKills
 from swarmnode.launcher.observe import parse_snapshot
-from swarmnode.launcher.plan import Kill, KillPlan, RandomKills
 from swarmnode.launcher.procs import ChildProcess, LineTail, StopSignals, stop_all
 from swarmnode.launcher.record import RecoveryRecord, RunRecord
 from swarmnode.launcher.report import build_report, plot_loss, write_report

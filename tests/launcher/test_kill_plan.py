@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from swarmnode.launcher.plan import Kill, KillPlan, RandomKills, StageKill, parse_stage_kill
+from swarmnode.launcher.kill_plan import Kill, KillPlan, RandomKills, StageKill, parse_stage_kill
 
 
 @pytest.mark.parametrize(("text", "expected"), [("2@50", StageKill(2, 50)), (" 0@1 ", StageKill(0, 1))])

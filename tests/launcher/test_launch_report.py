@@ -14,8 +14,7 @@ import pytest
 import swarmnode.status
 from swarmnode.cli.up import summary
 from swarmnode.launcher import observe
-from swarmnode.launcher.display import Display, StageCount, status_line
-from swarmnode.launcher.events import (
+from swarmnode.launcher.daemon_events import (
     Joining,
     MicrobatchLost,
     Online,
@@ -25,6 +24,7 @@ from swarmnode.launcher.events import (
     Validation,
     parse_event,
 )
+from swarmnode.launcher.display import Display, StageCount, status_line
 from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.record import RunRecord
 from swarmnode.launcher.report import build_report, plot_loss, write_report
