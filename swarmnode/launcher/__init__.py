@@ -3,12 +3,12 @@
 Modules by purpose: `procs` (children in their own process groups), `kill_plan` (kills by step and at random),
 `daemon_events` (the daemons' JSON lines), `record` and `report` (figures, report.json, loss.png), `display`
 (progress lines), `observe` (DHT snapshots from a child process), `config` (settings and child command
-lines) and `swarm` (the supervisor).
+lines), `nodes` (the daemons as tracked) and `local_swarm` (the supervisor).
 """
 
 from swarmnode.launcher.config import FAIL_RATE_UNIT, STALL_TIMEOUT_S, SwarmConfig
 from swarmnode.launcher.kill_plan import KillPlan, RandomKills, StageKill, parse_stage_kill
-from swarmnode.launcher.swarm import LocalSwarm, RunOutcome, SwarmResult
+from swarmnode.launcher.local_swarm import LocalSwarm, RunOutcome, SwarmResult
 
 __all__ = [
     "FAIL_RATE_UNIT",

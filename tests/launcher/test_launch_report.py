@@ -25,10 +25,10 @@ from swarmnode.launcher.daemon_events import (
     parse_event,
 )
 from swarmnode.launcher.display import Display, StageCount, status_line
+from swarmnode.launcher.local_swarm import RunOutcome, SwarmResult
 from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.record import RunRecord
 from swarmnode.launcher.report import build_report, plot_loss, write_report
-from swarmnode.launcher.swarm import RunOutcome, SwarmResult
 
 START = 1_700_000_000.0
 

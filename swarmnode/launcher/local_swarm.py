@@ -32,6 +32,14 @@ from swarmnode.launcher.daemon_events import (
 from swarmnode.launcher.display import Display, StageCount, status_line
 from swarmnode.launcher.export import describe, export_model
 from swarmnode.launcher.kill_plan import Kill, KillPlan, RandomKills
+from swarmnode.launcher.nodes import (
+    LaunchedNode,
+    exit_message,
+    report_entry,
+    short_peer,
+    stage_counts,
+    stage_name,
+)
 from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.procs import ChildProcess, LineTail, StopSignals, stop_all
 from swarmnode.launcher.record import RecoveryRecord, RunRecord
@@ -60,25 +68,6 @@ class SwarmResult:
     report: dict[str, Any]
 
 
-@dataclass
-class _Node:
-    process: ChildProcess
-    stage: int | None
-    shard: str | None
-    tail: LineTail
-    initial: bool
-    peer_id: str | None = None
-    joined: bool = False
-    trained: bool = False  # reported a step: a data node in the run, not one that joined after it
-    finished: bool = False  # a data node that took the last step (it lingers until ended)
-    killed: bool = False
-    exited: bool = False
-
-    @property
-    def alive(self) -> bool:
-        return not self.exited
-
-
 class LocalSwarm:
     """Runs one local swarm to the end; progress lines go to `stream`."""
 
@@ -93,12 +82,12 @@ class LocalSwarm:
         self._record = RunRecord(time.time())
         transformer_stages = range(1, config.stages + 1)
         self._plan = KillPlan(config.kills, RandomKills(config.fail_rate, transformer_stages, config.seed))
-        self._nodes: list[_Node] = []
+        self._nodes: list[LaunchedNode] = []
         self._bootstrap: ChildProcess | None = None
         self._observer: ChildProcess | None = None
         self._observer_tail: LineTail | None = None  # None once the observer has stopped
         self._snapshot: tuple[float, dict[int, StageCount]] | None = None
-        self._respawns: list[tuple[float, _Node]] = []
+        self._respawns: list[tuple[float, LaunchedNode]] = []
         self._spawned = 0
         self._crashes = 0
         self._finishing_since: float | None = None
@@ -194,7 +183,7 @@ class LocalSwarm:
         deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
         while (peers := read_peers(self.peers_file)) is None:
             if bootstrap.poll() is not None:
-                return RunOutcome.FAILED, _exit_message("the bootstrap peer", bootstrap)
+                return RunOutcome.FAILED, exit_message("the bootstrap peer", bootstrap)
             if stop.received:
                 return RunOutcome.INTERRUPTED, "stopped while the bootstrap peer was starting"
             if time.monotonic() >= deadline:
@@ -219,7 +208,7 @@ class LocalSwarm:
     def _spawn(self, name: str, stage: int | None, shard: str | None) -> None:
         process = ChildProcess(name, self.config.join_argv(stage, shard), self.logs, self._env)
         self._nodes.append(
-            _Node(process, stage, shard, LineTail(process.stdout_path), initial=stage is not None)
+            LaunchedNode(process, stage, shard, LineTail(process.stdout_path), initial=stage is not None)
         )
 
     def _read_events(self) -> None:
@@ -246,16 +235,18 @@ class LocalSwarm:
                 if counts is not None:
                     self._snapshot = (time.monotonic(), counts)
 
-    def _on_online(self, node: _Node, event: Online) -> None:
+    def _on_online(self, node: LaunchedNode, event: Online) -> None:
         node.stage, node.peer_id, node.joined = event.stage, event.peer_id, True
         if not node.initial:
-            self._display.event(f"{node.process.name} joined stage {event.stage} as {_short(event.peer_id)}")
+            self._display.event(
+                f"{node.process.name} joined stage {event.stage} as {short_peer(event.peer_id)}"
+            )
         elif not self._all_joined and all(other.joined for other in self._nodes if other.initial):
             self._all_joined = True
             seconds = time.monotonic() - self._started
             self._display.event(f"all {self.config.initial_nodes} nodes joined after {seconds:.1f} s")
 
-    def _on_recovered(self, node: _Node, recovery: RecoveryRecord) -> None:
+    def _on_recovered(self, node: LaunchedNode, recovery: RecoveryRecord) -> None:
         how = (
             "synced from a live replica" if recovery.method == "replica" else f"rebuilt by {recovery.method}"
         )
@@ -270,12 +261,12 @@ class LocalSwarm:
             and self._bootstrap.poll() is not None
             and self._finishing_since is None
         ):
-            return RunOutcome.FAILED, _exit_message("the bootstrap peer", self._bootstrap)
+            return RunOutcome.FAILED, exit_message("the bootstrap peer", self._bootstrap)
         observer = self._observer  # polled even once it stopped: poll() notes when its group is gone
         if observer is not None and observer.poll() is not None and self._observer_tail is not None:
             observer.kill()
             self._display.event(
-                f"{_exit_message('the swarm observer', observer)}; recovering states not shown"
+                f"{exit_message('the swarm observer', observer)}; recovering states not shown"
             )
             self._observer_tail, self._snapshot = None, None
         for node in self._nodes:
@@ -296,9 +287,9 @@ class LocalSwarm:
             else:
                 self._crashes += 1
                 self._record.add_failure(time.time(), node.stage, node.peer_id, name, "crash")
-                self._display.event(_exit_message(f"{name} (stage {_stage(node)})", node.process))
+                self._display.event(exit_message(f"{name} (stage {stage_name(node)})", node.process))
                 if self._crashes > max(10, 2 * self.config.initial_nodes):
-                    last = _exit_message(name, node.process)
+                    last = exit_message(name, node.process)
                     return RunOutcome.FAILED, f"{self._crashes} nodes crashed; the last: {last}"
                 self._respawns.append((now + self.config.respawn_delay, node))
                 self._report_lost(node.stage)
@@ -317,7 +308,7 @@ class LocalSwarm:
             node.killed = node.exited = True
             name = node.process.name
             self._record.add_failure(time.time(), node.stage, node.peer_id, name, kill.cause)
-            peer = f" ({_short(node.peer_id)})" if node.peer_id else ""
+            peer = f" ({short_peer(node.peer_id)})" if node.peer_id else ""
             self._display.event(
                 f"killed {name}{peer} of stage {kill.stage} at step {self._record.step} [{kill.cause}]"
             )
@@ -344,22 +335,11 @@ class LocalSwarm:
         """The children that are not daemons: the bootstrap peer and the observer."""
         return [child for child in (self._bootstrap, self._observer) if child is not None]
 
-    def _stage_counts(self, now: float) -> dict[int, StageCount]:
-        """Nodes per stage: online once they said so, joining before; the DHT tells which of those recover."""
-        online = dict.fromkeys(range(self.config.stages + 1), 0)
-        starting = dict.fromkeys(range(self.config.stages + 1), 0)
-        for node in self._nodes:
-            if node.alive and node.stage is not None:
-                counts = online if node.joined else starting
-                counts[node.stage] = counts.get(node.stage, 0) + 1
-        seen: dict[int, StageCount] = {}
+    def _fresh_snapshot(self, now: float) -> dict[int, StageCount]:
+        """The observer's latest counts per stage, or none if they are older than `SNAPSHOT_STALE_S`."""
         if self._snapshot is not None and now - self._snapshot[0] <= SNAPSHOT_STALE_S:
-            seen = self._snapshot[1]
-        result = {}
-        for stage in online:
-            recovering = min(seen.get(stage, StageCount()).recovering, starting.get(stage, 0))
-            result[stage] = StageCount(online[stage], recovering, starting.get(stage, 0) - recovering)
-        return result
+            return self._snapshot[1]
+        return {}
 
     def _status_text(self) -> str:
         record = self._record
@@ -372,7 +352,7 @@ class LocalSwarm:
             record.latest_loss,
             record.val_loss,
             record.tokens_per_second(window=20.0, now=time.time()),
-            self._stage_counts(time.monotonic()),
+            stage_counts(self._nodes, self.config.stages, self._fresh_snapshot(time.monotonic())),
             record.microbatches_lost,
         )
 
@@ -395,8 +375,8 @@ class LocalSwarm:
 
     def _write_report(self, outcome: RunOutcome, message: str) -> dict[str, Any]:
         config, record = self.config, self._record
-        nodes = [_entry(child, None, None, killed=False) for child in self._helpers]
-        nodes += [_entry(node.process, node.stage, node.peer_id, node.killed) for node in self._nodes]
+        nodes = [report_entry(child, None, None, killed=False) for child in self._helpers]
+        nodes += [report_entry(node.process, node.stage, node.peer_id, node.killed) for node in self._nodes]
         wall = time.monotonic() - self._started
         report = build_report(record, outcome.value, message, wall, config.settings(), nodes, self._model)
         write_report(self.out / "report.json", report)
@@ -406,29 +386,3 @@ class LocalSwarm:
         )
         plot_loss(self.out / "loss.png", record, title)
         return report
-
-
-def _entry(child: ChildProcess, stage: int | None, peer_id: str | None, killed: bool) -> dict[str, Any]:
-    """A child as the report lists it."""
-    return {
-        "name": child.name,
-        "pid": child.pid,
-        "stage": stage,
-        "peer_id": peer_id,
-        "exit_code": child.returncode,
-        "killed": killed,
-    }
-
-
-def _exit_message(what: str, process: ChildProcess) -> str:
-    tail = process.stderr_tail()
-    detail = f": {tail}" if tail else ""
-    return f"{what} exited with code {process.returncode}{detail} (see {process.stderr_path})"
-
-
-def _short(peer_id: str) -> str:
-    return peer_id if len(peer_id) <= 12 else f"{peer_id[:4]}…{peer_id[-6:]}"
-
-
-def _stage(node: _Node) -> str:
-    return "unknown" if node.stage is None else str(node.stage)
