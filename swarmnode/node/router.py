@@ -20,6 +20,7 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.errors import ProtocolError
+from protocols.manifest import TensorSpec
 from protocols.messages import (
     Abort,
     Ack,
@@ -28,7 +29,6 @@ from protocols.messages import (
     Forward,
     Route,
     Rpc,
-    TensorSpec,
     bounded,
     decode,
     encode,
