@@ -3,13 +3,12 @@
 Every message is a frozen dataclass whose fields are checked on construction (LocalProtocolError on this
 side); `encode` turns it into a msgpack map `{"v": PROTOCOL_VERSION, "kind": ..., <fields>}` and `decode`
 checks bytes from a peer against the same rules, raising only RemoteProtocolError with a readable reason.
-Tensors never travel in msgpack: messages carry manifests (`TensorSpec`: name, shape, dtype) and the
-tensors themselves travel beside them, serialised by the transport, in manifest order.
+Tensors never travel in msgpack: messages carry manifests (`protocols.manifest`: name, shape, dtype) and
+the tensors themselves travel beside them, serialised by the transport, in manifest order.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -27,60 +26,25 @@ from protocols._schema import (
     items,
     nested,
     number,
-    one_of,
     optional,
     show,
     text,
     to_wire,
 )
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.manifest import MAX_NAME, MAX_TENSORS, TensorSpec, manifest_field, same_layout
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # control metadata only; tensors travel beside it
 MAX_RECORD_BYTES = 8192  # DHT records: hivemind's DHT failed with values near 60 KB
 MAX_TEXT = 1024  # longest string of any field
 MAX_ID = 128  # run ids and peer ids
-MAX_NAME = 256  # tensor names and addresses
-MAX_TENSORS = 16384  # entries of one manifest
-MAX_DIMS = 8
-MAX_ELEMENTS = 2**31  # per tensor
 MAX_PATH = 64  # hops of one microbatch path
 MAX_NONCE = 2**63 - 1  # a microbatch's nonce: random, issued by its data node
 MAX_ADDRS = 16
 MAX_STAGE = 1024
 MAX_VISITS = 4096  # microbatches of one iteration planned through one node
 MIN_LR_FACTOR, MAX_LR_FACTOR = 0.1, 10.0  # a learning-rate multiplier outside these corrupts weights
-MANIFEST_DTYPES = frozenset(
-    {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
-)
-
-
-@dataclass(frozen=True)
-class TensorSpec(Schema):
-    """One tensor travelling beside a message: its name, shape and dtype (torch name without `torch.`)."""
-
-    name: str = field(metadata=checked(text(MAX_NAME, 1)))
-    shape: tuple[int, ...] = field(metadata=checked(items(count(MAX_ELEMENTS), MAX_DIMS)))
-    dtype: str = field(metadata=checked(one_of(MANIFEST_DTYPES)))
-
-    def _check(self) -> None:
-        if self.numel > MAX_ELEMENTS:
-            raise LocalProtocolError(f"shape: {list(self.shape)} has more than {MAX_ELEMENTS} elements")
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def _manifest(value: object, name: str) -> tuple[TensorSpec, ...]:
-    specs = items(nested(TensorSpec), MAX_TENSORS)(value, name)
-    if len({spec.name for spec in specs}) != len(specs):
-        raise LocalProtocolError(f"{name}: repeated tensor names")
-    return specs
-
-
-def _same_layout(first: tuple[TensorSpec, ...], second: tuple[TensorSpec, ...]) -> bool:
-    return [(s.name, s.shape) for s in first] == [(s.name, s.shape) for s in second]
 
 
 class NodeState(StrEnum):
@@ -155,7 +119,7 @@ class _Hop(Message):
     hop: int = field(metadata=checked(count(MAX_PATH - 1)))
     stages: tuple[int, ...] = field(metadata=checked(items(_STAGE, MAX_PATH, 1)))
     visits: tuple[int, ...] = field(default=(), metadata=checked(items(count(MAX_VISITS), MAX_PATH)))
-    tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+    tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(manifest_field))
     evaluate: bool = field(default=False, metadata=checked(flag))
     nonce: int = field(default=0, metadata=checked(count(MAX_NONCE)))
 
@@ -244,7 +208,7 @@ class StateTransfer(Message):
     step: int = field(metadata=checked(count()))
     outer_step: int = field(metadata=checked(count()))
     grad_norm: float | None = field(metadata=checked(optional(number(0.0))))
-    tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+    tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(manifest_field))
     lr_factor: float = field(default=1.0, metadata=checked(number(MIN_LR_FACTOR, MAX_LR_FACTOR)))
 
 
@@ -256,11 +220,11 @@ class AveragingRequest(Message):
     run_id: str = field(metadata=checked(_RUN))
     stage: int = field(metadata=checked(_STAGE))
     outer_step: int = field(metadata=checked(count()))
-    phi: tuple[TensorSpec, ...] = field(metadata=checked(_manifest))
-    theta: tuple[TensorSpec, ...] = field(metadata=checked(_manifest))
+    phi: tuple[TensorSpec, ...] = field(metadata=checked(manifest_field))
+    theta: tuple[TensorSpec, ...] = field(metadata=checked(manifest_field))
 
     def _check(self) -> None:
-        if not self.phi or not _same_layout(self.phi, self.theta):
+        if not self.phi or not same_layout(self.phi, self.theta):
             raise LocalProtocolError("phi and theta: expected the same non-empty list of names and shapes")
 
 
@@ -274,12 +238,12 @@ class AveragingReply(Message):
     outer_step: int = field(metadata=checked(count()))
     accept: bool = field(metadata=checked(flag))
     reason: str = field(default="", metadata=checked(text(MAX_TEXT)))
-    phi: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
-    theta: tuple[TensorSpec, ...] = field(default=(), metadata=checked(_manifest))
+    phi: tuple[TensorSpec, ...] = field(default=(), metadata=checked(manifest_field))
+    theta: tuple[TensorSpec, ...] = field(default=(), metadata=checked(manifest_field))
     decline: Decline | None = field(default=None, metadata=checked(optional(choice(Decline))))
 
     def _check(self) -> None:
-        if self.accept and (not self.phi or not _same_layout(self.phi, self.theta)):
+        if self.accept and (not self.phi or not same_layout(self.phi, self.theta)):
             raise LocalProtocolError("phi and theta: an accepting reply needs the same non-empty layout")
         if self.accept == (self.decline is not None):
             raise LocalProtocolError("decline: a declining reply says why, an accepting one does not")

@@ -59,7 +59,8 @@ def hostile_main(argv: Sequence[str]) -> int:
     import torch
     from hivemind.p2p import PeerID
 
-    from protocols.messages import Error, Forward, TensorSpec, decode, encode
+    from protocols.manifest import TensorSpec
+    from protocols.messages import Error, Forward, decode, encode
     from swarmnode.transport import RemoteError, Transport, TransportError
 
     peers_file, run_id, width_text, go_file, *targets = argv

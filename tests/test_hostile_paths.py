@@ -17,7 +17,8 @@ import torch
 from hivemind.p2p import PeerID
 from swarm_harness import LocalTestSwarm, NodeProcess, poll
 
-from protocols.messages import Error, ErrorCode, Forward, Route, Rpc, TensorSpec, decode, encode
+from protocols.manifest import TensorSpec
+from protocols.messages import Error, ErrorCode, Forward, Route, Rpc, decode, encode
 from swarmnode.dht import SwarmDHT
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Transport

@@ -20,13 +20,13 @@ from torch import Tensor, nn
 
 from protocols.bounds import drift_problem
 from protocols.errors import ProtocolError
+from protocols.manifest import TensorSpec
 from protocols.messages import (
     AveragingReply,
     AveragingRequest,
     Decline,
     ErrorCode,
     Rpc,
-    TensorSpec,
     bounded,
     decode,
     encode,

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from protocols.bounds import drift_problem, moments_problem, size_problem
-from protocols.messages import StatePart, TensorSpec
+from protocols.manifest import TensorSpec
+from protocols.messages import StatePart
 from swarmnode.optim import StageOptimizer
 
 TensorMap = dict[str, Tensor]  # the runtime's one name -> torch tensor map (protocols': `ArrayMap`)

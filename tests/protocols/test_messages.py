@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.manifest import TensorSpec
 from protocols.messages import (
     KINDS,
     MAX_RECORD_BYTES,
@@ -31,7 +32,6 @@ from protocols.messages import (
     StatePart,
     StateRequest,
     StateTransfer,
-    TensorSpec,
     decode,
     encode,
 )
