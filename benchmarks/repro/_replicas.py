@@ -25,6 +25,7 @@ from swarmnode.pieces import DataPiece, build_piece
 from swarmnode.presets import get_preset
 from swarmnode.trainer import evaluate
 
+VOCAB = 1024  # a quarter of the tiny preset's: the output layer would otherwise dominate the replicas' cost
 Batch = tuple[Tensor, Tensor]
 TensorMap = dict[str, Tensor]
 
@@ -55,8 +56,9 @@ class Shape:
 
 
 def corpus() -> Corpus:
-    """The project's standard corpus and tokenizer (cached after the first use)."""
-    return load_corpus(None, None, 1024)
+    """The project's standard corpus with its byte-level BPE trained at `VOCAB` tokens (both cached after the
+    first use)."""
+    return load_corpus(None, None, VOCAB)
 
 
 def stream(data: Corpus, shape: Shape, seed: int, shard: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
