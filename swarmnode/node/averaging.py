@@ -1,8 +1,8 @@
 """NoLoCo in the daemon: every H inner steps, average with one random replica of the same stage.
 
 The pairing and the math are `protocols.noloco`; this module moves the tensors. The exchange never blocks
-training: at the outer-step boundary the node snapshots its weights (theta) and keeps training while it
-exchanges; the result is applied at the next optimizer step as `theta = phi_new + (theta_now - theta_snap)`,
+training: at the outer-step boundary the node copies its weights (theta) and keeps training while it
+exchanges; the result is applied at the next optimizer step as `theta = phi_new + (theta_now - theta_copy)`,
 so the inner steps taken during the exchange are kept. A declined, failed, partial or timed-out exchange
 ends in the lone-replica step.
 """
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 class _Pending:
     outer_step: int
     result: OuterResult
-    theta_snap: TensorMap
+    theta_copy: TensorMap
 
 
 class OuterLoop:
@@ -79,7 +79,7 @@ class OuterLoop:
         self.phi: TensorMap = weights(module)  # phi, theta and delta live on the host (`state.weights`)
         self.delta: TensorMap | None = None
         self._round: PairingRound | None = None
-        self._theta_snap: TensorMap = {}
+        self._theta_copy: TensorMap = {}
         self._delivered = asyncio.Event()
         self._pending: _Pending | None = None
         self._running = False
@@ -106,7 +106,7 @@ class OuterLoop:
         """Outer step `outer` (from `take_due`): pair, exchange, compute the update (applied later by
         `apply_pending`)."""
         try:
-            self._theta_snap = await self.compute.submit(Priority.STEP, self._snapshot)
+            self._theta_copy = await self.compute.submit(Priority.STEP, self._copy_theta)
             self._delivered.clear()
             rnd = PairingRound(
                 outer_step=outer,
@@ -126,19 +126,19 @@ class OuterLoop:
                 except TimeoutError:
                     rnd.tick(clock())
             outcome = rnd.tick(clock()) or rnd.fail("no outcome")
-            theta_snap = self._theta_snap
+            theta_copy = self._theta_copy
             result = await asyncio.get_running_loop().run_in_executor(
                 None,
                 lambda: noloco_outer_step(
                     self.config,
                     self.phi,
-                    theta_snap,
+                    theta_copy,
                     self.delta,
                     outcome.partner_phis,
                     outcome.partner_thetas,
                 ),
             )
-            self._pending = _Pending(outer, result, theta_snap)
+            self._pending = _Pending(outer, result, theta_copy)
             emit(
                 "outer_step",
                 stage=self.stage,
@@ -159,9 +159,9 @@ class OuterLoop:
             self.stage,
             rnd.outer_step,
             manifest(self.phi),
-            manifest({n: self._theta_snap[n] for n in names}),
+            manifest({n: self._theta_copy[n] for n in names}),
         )
-        tensors = [self.phi[n] for n in names] + [self._theta_snap[n] for n in names]
+        tensors = [self.phi[n] for n in names] + [self._theta_copy[n] for n in names]
         while rnd.outcome is None:
             remaining = rnd.deadline - clock()
             if remaining <= 0:
@@ -242,8 +242,8 @@ class OuterLoop:
             True,
             "",
             manifest(self.phi),
-            manifest({n: self._theta_snap[n] for n in names}),
-        ), [self.phi[n] for n in names] + [self._theta_snap[n] for n in names]
+            manifest({n: self._theta_copy[n] for n in names}),
+        ), [self.phi[n] for n in names] + [self._theta_copy[n] for n in names]
 
     def apply_pending(self) -> bool:
         """On the compute thread, nothing held: load the computed outer update. True if one was applied."""
@@ -252,14 +252,14 @@ class OuterLoop:
             return False
         with torch.no_grad():
             for name, param in self.module.named_parameters():
-                phi, snap = pending.result.phi[name], pending.theta_snap[name]
-                param.copy_(phi.to(param.device) + (param - snap.to(param.device)))
+                phi, copy = pending.result.phi[name], pending.theta_copy[name]
+                param.copy_(phi.to(param.device) + (param - copy.to(param.device)))
         self.phi = {name: t.clone() for name, t in pending.result.phi.items()}
         self.delta = dict(pending.result.delta)
         self.outer_step = pending.outer_step
         return True
 
-    def _snapshot(self) -> TensorMap:
+    def _copy_theta(self) -> TensorMap:
         return weights(self.module)
 
 
