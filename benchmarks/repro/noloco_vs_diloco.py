@@ -142,16 +142,17 @@ def _noloco_outer(replicas: Replicas, config: OuterConfig, phi: list, delta: lis
     ids = [f"replica-{r}" for r in range(replicas.n)]
     for k in range(replicas.n_stages + 1):
         theta = [replicas.params(k, r) for r in range(replicas.n)]
+        before = list(phi[k])  # every member steps from the pair's pre-step phi, as in the daemon's exchange
         for group in match_replicas(ids, pairing_seed(RUN_ID, k, outer), config.group_size):
             members = [ids.index(peer) for peer in group]
             for r in members:
                 others = [j for j in members if j != r]
                 out = noloco_outer_step(
                     config,
-                    phi[k][r],
+                    before[r],
                     theta[r],
                     delta[k][r],
-                    [phi[k][j] for j in others],
+                    [before[j] for j in others],
                     [theta[j] for j in others],
                 )
                 phi[k][r], delta[k][r] = out.phi, out.delta
