@@ -23,7 +23,7 @@ from swarmnode.transport._framing import (
     PREFIX,
     VERSION,
     WIRE_DTYPES,
-    Error,
+    ErrorFrame,
     Kind,
     read_frame,
 )
@@ -112,7 +112,7 @@ def _check(loop: asyncio.AbstractEventLoop, data: bytes) -> None:
             _, _, _, _, head_len, body_len = PREFIX.unpack(data[: PREFIX.size])
             assert len(data) < PREFIX.size + head_len + body_len
         return
-    if isinstance(head, Error):
+    if isinstance(head, ErrorFrame):
         assert len(head.code) <= MAX_CODE_CHARS and len(head.message) <= MAX_ERROR_CHARS and not tensors
         return
     assert len(tensors) == len(head.specs)

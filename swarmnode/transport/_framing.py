@@ -130,12 +130,12 @@ class Response:
 
 
 @dataclass(frozen=True)
-class Error:
+class ErrorFrame:
     code: str
     message: str
 
 
-Head = Request | Response | Error
+Head = Request | Response | ErrorFrame
 
 
 # ---- encoding -------------------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def parse_head(kind: Kind, head: bytes, body_len: int, limits: Limits) -> Head:
     )
     _check(len(fields[0]) <= MAX_CODE_CHARS, "error code is too long")
     _check(body_len == 0, "error frame has a body")
-    return Error(fields[0], truncate(fields[1]))
+    return ErrorFrame(fields[0], truncate(fields[1]))
 
 
 Read = Callable[[int], Awaitable[bytes]]
@@ -359,7 +359,7 @@ async def read_frame(reader: asyncio.StreamReader, limits: Limits) -> tuple[Head
     """Read one whole frame (prefix, head, tensors)."""
     kind, head_len, body_len = parse_prefix(await reader.readexactly(PREFIX.size), limits)
     head = parse_head(kind, await reader.readexactly(head_len), body_len, limits)
-    tensors = await read_tensors(reader.read, head.specs) if not isinstance(head, Error) else []
+    tensors = await read_tensors(reader.read, head.specs) if not isinstance(head, ErrorFrame) else []
     return head, tensors
 
 

@@ -15,7 +15,7 @@ from hivemind.p2p import PeerID
 from swarmnode.transport._config import TransportConfig, TransportStats
 
 
-class Refused(Exception):
+class Refusal(Exception):
     """A stream or request the server refuses: answered `code`, counted in `TransportStats.refused`."""
 
     def __init__(self, reason: str, code: str, message: str) -> None:
@@ -45,13 +45,13 @@ class InboundBudget:
     def admit(self, peer_id: PeerID, body_len: int) -> None:
         """Refuse at once a body that could never fit the peer's share."""
         if body_len > self._per_peer:
-            raise Refused("bytes", "overloaded", f"a body of {body_len} bytes; at most {self._per_peer}")
+            raise Refusal("bytes", "overloaded", f"a body of {body_len} bytes; at most {self._per_peer}")
 
     def take(self, peer_id: PeerID, n: int) -> None:
-        """Count `n` more bytes held for `peer_id`; Refused if that goes past either bound."""
+        """Count `n` more bytes held for `peer_id`; raises Refusal if that goes past either bound."""
         held = self._stats.inbound_bytes + n
         if held > self._total or self._held[peer_id] + n > self._per_peer:
-            raise Refused("bytes", "overloaded", "inbound byte budget exhausted")
+            raise Refusal("bytes", "overloaded", "inbound byte budget exhausted")
         self._held[peer_id] += n
         self._stats.inbound_bytes = held
         self._stats.inbound_bytes_peak = max(self._stats.inbound_bytes_peak, held)

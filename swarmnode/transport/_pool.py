@@ -25,7 +25,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarmnode.transport._config import TransportConfig, TransportStats
 from swarmnode.transport._errors import PeerUnreachable, RemoteError, TransportError, WireError
-from swarmnode.transport._framing import Buffer, Error, Response, prepare_writer, read_frame, write_frame
+from swarmnode.transport._framing import Buffer, ErrorFrame, Response, prepare_writer, read_frame, write_frame
 
 # Error codes after which the server closes the stream: such a stream is not reused.
 _CLOSING_CODES = frozenset({"bad_request", "banned", "overloaded"})
@@ -141,7 +141,7 @@ class StreamPool:
             with suppress(ConnectionError):  # the peer may have refused early: its answer says why
                 await write_frame(stream.writer, frame)
             head, tensors = await read_frame(stream.reader, self._config.limits)
-            if isinstance(head, Error):
+            if isinstance(head, ErrorFrame):
                 reusable = head.code not in _CLOSING_CODES
                 raise RemoteError(head.code, head.message)
             if not isinstance(head, Response):

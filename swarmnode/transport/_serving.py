@@ -43,7 +43,7 @@ from swarmnode.transport._framing import (
     show,
     write_frame,
 )
-from swarmnode.transport._intake import BodyReader, Dropped, InboundBudget, Refused
+from swarmnode.transport._intake import BodyReader, Dropped, InboundBudget, Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +156,8 @@ class Server:
             logger.warning("rejected a frame from %s: %s", peer_id, e)
             if self._config.ban_seconds > 0:
                 self.ban(peer_id, self._config.ban_seconds)
-            await self._refuse(reader, writer, Refused("malformed", "bad_request", str(e)))
-        except Refused as e:
+            await self._refuse(reader, writer, Refusal("malformed", "bad_request", str(e)))
+        except Refusal as e:
             await self._refuse(reader, writer, e)
         except Dropped as e:
             self._stats.dropped[e.reason] += 1
@@ -169,14 +169,14 @@ class Server:
         except Exception:
             logger.exception("serving a stream from %s failed", peer_id)
 
-    def _refusal(self, peer_id: PeerID) -> Refused | None:
+    def _refusal(self, peer_id: PeerID) -> Refusal | None:
         """Why a new stream from `peer_id` is refused, if it is; past a stream bound, make room if it can."""
         if self.is_banned(peer_id):
-            return Refused("banned", "banned", f"not serving {peer_id} now")
+            return Refusal("banned", "banned", f"not serving {peer_id} now")
         if self._inbound_per_peer[peer_id] >= self._config.max_inbound_per_peer and not self._evict(peer_id):
-            return Refused("peer_streams", "overloaded", f"serving {peer_id} too many streams")
+            return Refusal("peer_streams", "overloaded", f"serving {peer_id} too many streams")
         if len(self._inbound) >= self._config.max_inbound_streams and not self._evict(None):
-            return Refused("streams", "overloaded", "serving too many streams")
+            return Refusal("streams", "overloaded", "serving too many streams")
         return None
 
     def _evict(self, peer_id: PeerID | None) -> bool:
@@ -210,7 +210,7 @@ class Server:
         if kind is not Kind.REQUEST:
             raise WireError(f"expected a request, got a {kind.name} frame")
         if self.is_banned(peer_id):
-            raise Refused("banned", "banned", f"not serving {peer_id} now")
+            raise Refusal("banned", "banned", f"not serving {peer_id} now")
         try:
             async with asyncio.timeout(config.header_timeout):
                 head = await reader.readexactly(head_len)
@@ -283,7 +283,7 @@ class Server:
         return reply, written
 
     async def _refuse(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, refusal: Refused
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, refusal: Refusal
     ) -> None:
         """Count a refusal and answer it, then discard what the caller still sends until it hangs up, for at
         most REFUSAL_LINGER_SECONDS (and header_timeout); while as many refusals linger as streams may be
