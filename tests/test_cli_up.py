@@ -129,10 +129,22 @@ def test_stall_timeout_0_disables_the_bound(started: list[Any]) -> None:
 
 
 def test_calm_means_no_failures(started: list[Any]) -> None:
-    result = CliRunner().invoke(up_module.up, ["--calm", "--kill", "1@5", "--fail-rate", "0.5"])
+    result = CliRunner().invoke(up_module.up, ["--calm"])
     assert result.exit_code == 0, result.output
     [config] = started
     assert (config.fail_rate, config.kills) == (0.0, ())
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"), [(["--kill", "1@5"], "--kill"), (["--fail-rate", "0.5"], "--fail-rate")]
+)
+def test_calm_with_failures_is_a_one_line_usage_error(
+    started: list[Any], flags: list[str], named: str
+) -> None:
+    result = CliRunner().invoke(up_module.up, ["--calm", *flags])
+    assert result.exit_code == 2 and not started, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "--calm" in errors[0] and named in errors[0], result.output
 
 
 @pytest.mark.parametrize(

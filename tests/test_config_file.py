@@ -35,6 +35,7 @@ def test_the_file_sets_options_its_table_wins_and_flags_override(tmp_path: Path)
     assert "unknown device 'gpu'" in the_error(*invoke("join", "--config", config, "--device", "gpu"))
     assert "into 4 stages" in the_error(*invoke("bootstrap", "--config", config))  # the top level
     assert "into 5 stages" in the_error(*invoke("bootstrap", "--config", config, "--stages", "5"))
+    assert "into 4 stages" in the_error(*invoke("up", "--config", config))  # up has --stages and --device
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import signal
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +18,11 @@ from typing import Any
 
 import pytest
 from procinfo import group_members, tcp_listeners_of, udp_sockets_of
+from prometheus_client.parser import text_string_to_metric_families
 from swarm_clients import CLIENTS
 from swarm_harness import LocalTestSwarm, NodeProcess, poll, stage_peers, step_losses
+
+from swarmnode import __version__
 
 pytestmark = pytest.mark.integration
 
@@ -191,9 +195,25 @@ REASONS = {"garbage": "malformed msgpack", "nan": "non-finite values", "shape": 
 
 
 @pytest.mark.timeout(170)
+def scrape(node: NodeProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The node's Prometheus metrics (`--metrics-port 0`: its `metrics` event names the URL), as
+    {(sample name, sorted labels): value}."""
+    url = node.wait_event("metrics", 30)["url"]
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def test_hostile_peer_is_refused_banned_and_training_goes_on(swarm: LocalTestSwarm) -> None:
-    stage_nodes = start_stages(swarm, [1, 2, 3], steps=25)
-    data = join_data_node(swarm)
+    """Also the metrics: every node here serves them (`--metrics-port 0`), scraped during and after."""
+    run = swarm.bootstrap(steps=25).events("bootstrap")[0]["run"]
+    stage_nodes = [swarm.join(k, "--metrics-port", "0") for k in (1, 2, 3)]
+    swarm.wait_online(*stage_nodes)
+    data = swarm.join(0, "--metrics-port", "0")
     go = swarm.folder / "attack"
     targets = [f"{k}:{peer_id(stage_nodes[k - 1])}:{attack}" for k, attack in ATTACKS.items()]
     hostile = swarm.client("hostile", TINY_DIM, go, *targets)
@@ -201,6 +221,11 @@ def test_hostile_peer_is_refused_banned_and_training_goes_on(swarm: LocalTestSwa
     hostile.wait_event("ready", 90)
     swarm.note_sockets()
     data.wait_event("step", 90, where=lambda e: e["step"] >= 3)  # attack while training runs
+    training = scrape(data)
+    assert training[("swarmnode_step", ())] >= 3 and training[("swarmnode_stage", ())] == 0
+    assert math.isfinite(training[("swarmnode_loss", ())]) and training[("swarmnode_tokens_total", ())] > 0
+    assert training[("swarmnode_info", (("role", "node"), ("version", __version__)))] == 1
+    assert training[("swarmnode_hop_seconds_count", (("direction", "forward"), ("peer_stage", "1")))] >= 3
     go.touch()
     assert hostile.wait_exit(60) == 0, hostile.stderr_tail()
     hostile_id = hostile.events("ready")[0]["peer_id"]
@@ -231,6 +256,24 @@ def test_hostile_peer_is_refused_banned_and_training_goes_on(swarm: LocalTestSwa
     assert all(map(math.isfinite, losses)) and mean(losses[-5:]) < mean(losses[:5])
     for node in stage_nodes:
         assert node.poll() is None, f"{node.name} died: {node.stderr_tail()}"
+    tokens = run["batch_size"] * run["seq_len"]  # per microbatch
+    microbatches = sum(e["tokens"] for e in steps) // tokens  # every one trained: none lost
+    for stage, node in enumerate(stage_nodes, start=1):
+        seen = scrape(node)
+        assert seen[("swarmnode_stage", ())] == stage and seen[("swarmnode_step", ())] >= 24
+        assert seen[("swarmnode_microbatches_served_total", ())] == microbatches, seen
+        assert seen[("swarmnode_rejections_total", (("reason", "malformed"),))] >= 1
+        assert seen[("swarmnode_bans_total", (("reason", "malformed"),))] >= 1
+        forward = (
+            "swarmnode_hop_bytes_sum",
+            (("direction", "forward"), ("peer_stage", str((stage + 1) % 4))),
+        )
+        assert seen[forward] >= microbatches * tokens * TINY_DIM * 4  # float32 activations
+        backward = (
+            "swarmnode_hop_seconds_count",
+            (("direction", "backward"), ("peer_stage", str(stage - 1))),
+        )
+        assert seen[backward] == microbatches
 
 
 class SocketLeft(AssertionError):

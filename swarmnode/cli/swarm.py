@@ -29,6 +29,10 @@ OWNER_HELP = (
 )
 RUN_ID_HELP = "Name of the run on the DHT (the bootstrap's --run-id)."
 PORT_HELP = "TCP port to listen on (0: any free port)."
+METRICS_PORT_HELP = (
+    "Serve Prometheus metrics on this port (0: any free port, announced in a `metrics` event)."
+)
+METRICS_HOST_HELP = "Address the metrics endpoint listens on."
 VERBOSE_HELP = "Log at info level, hivemind's warnings included (default: warnings only)."
 DHT_TIMEOUT = f"a DHT call got no answer within {DHT_CALL_TIMEOUT_S:g} s"
 
@@ -148,6 +152,8 @@ def _peers_or_fail(value: str | None) -> list[str]:
     "--peers-file", type=click.Path(path_type=Path), default=None, help="Write the multiaddrs here."
 )
 @click.option("--identity", type=click.Path(path_type=Path), default=None, help=IDENTITY_HELP)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help=METRICS_PORT_HELP)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help=METRICS_HOST_HELP)
 @click.option("-v", "--verbose", is_flag=True, help=VERBOSE_HELP)
 def bootstrap(
     preset: str | None,
@@ -170,6 +176,8 @@ def bootstrap(
     public: bool,
     peers_file: Path | None,
     identity: Path | None,
+    metrics_port: int | None,
+    metrics_host: str,
     verbose: bool,
 ) -> None:
     """Run the swarm's entry peer: publish the run definition and print the multiaddrs to join.
@@ -207,7 +215,8 @@ def bootstrap(
         seed = _seed_or_fail(init_from, spec, corpus.tokenizer_path)
         spec = spec.with_overrides(init_digests=",".join(seed.digests))
     try:
-        code = _run_async(run_bootstrap(spec, host, port, public, peers_file, identity, seed))
+        metrics = None if metrics_port is None else (metrics_host, metrics_port)
+        code = _run_async(run_bootstrap(spec, host, port, public, peers_file, identity, seed, metrics))
     except DHTUnavailable as error:
         raise click.ClickException(str(error)) from None
     except TimeoutError:
@@ -294,6 +303,8 @@ def _shard(value: str | None) -> tuple[int, int] | None:
     help="Data nodes: after the run's last step, stay online until stopped, serving the final weights "
     "(to `swarmnode export`).",
 )
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help=METRICS_PORT_HELP)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help=METRICS_HOST_HELP)
 @device_option
 @dtype_option("This node's compute dtype (autocast; weights stay float32). Default: the run's.")
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
@@ -313,6 +324,8 @@ def join(
     identity: Path | None,
     run_owners: tuple[str, ...],
     linger: bool,
+    metrics_port: int | None,
+    metrics_host: str,
     device: str,
     dtype: str | None,
     dump_recovery: Path | None,
@@ -341,6 +354,8 @@ def join(
         identity=_identity_or_fail(identity),
         run_owners=_owners_or_fail(run_owners),
         linger=linger,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
         device=device,
         dtype=dtype,
     )

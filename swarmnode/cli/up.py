@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
+from swarmnode.cli.config_file import config_option
 from swarmnode.cli.options import preset_or_fail, stages_or_fail
 from swarmnode.launcher import (
     FAIL_RATE_UNIT,
@@ -49,6 +50,7 @@ class FiniteFloatRange(click.FloatRange):
 
 
 @click.command()
+@config_option
 @click.option("--preset", default="tiny", show_default=True, help="Model preset name.")
 @click.option(
     "--stages", type=click.IntRange(min=1), default=None, help="Transformer stages (default: the preset's)."
@@ -152,8 +154,11 @@ def up(
     one-line summary of the run, whatever its outcome."""
     n_stages = stages_or_fail(preset_or_fail(preset), stages)
     device_or_fail(device)
+    if calm and (kills or fail_rate):
+        given = "--kill" if kills else "--fail-rate"
+        raise click.UsageError(f"--calm means no failures: give either --calm or {given}, not both")
     if calm:
-        kills, fail_rate = (), 0.0
+        kills = ()
     elif not kills and fail_rate == 0.0 and steps >= 2:
         kills = (StageKill(stage=(n_stages + 1) // 2, step=steps // 2),)  # show a stage being rebuilt
     for kill in kills:

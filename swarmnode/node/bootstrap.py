@@ -15,6 +15,7 @@ from pathlib import Path
 
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.events import emit
+from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.node.seed import SeedServer, SeedWeights
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Transport, TransportConfig
@@ -41,14 +42,24 @@ async def run_bootstrap(
     peers_file: Path | None,
     identity: Path | None = None,
     seed: SeedWeights | None = None,
+    metrics: tuple[str, int] | None = None,
 ) -> int:
     """Publish the run until SIGINT/SIGTERM (exit code 0), or until the DHT fails (1); the DHT is shut down
     on every way out, errors included. The bootstrap's key (kept in `identity`, if given) owns the run.
-    With `seed` (the run starts from weights, `spec.init_digests`), it also serves them (`node.seed`)."""
+    With `seed` (the run starts from weights, `spec.init_digests`), it also serves them (`node.seed`);
+    with `metrics` (host, port), Prometheus metrics of its version and role (`node.metrics`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if metrics is not None:
+        registry = DaemonMetrics("bootstrap")
+        try:
+            metrics_port = registry.serve(*metrics)
+        except OSError as error:
+            logger.error("cannot serve metrics on %s:%d: %s", *metrics, error.strerror or error)
+            return 1
+        emit("metrics", url=f"http://{metrics[0]}:{metrics_port}/metrics", port=metrics_port)
     dht = SwarmDHT(spec.run_id, (), host, port, public, identity_path=identity)
     transport: Transport | None = None
     try:

@@ -48,6 +48,7 @@ from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.checks import BANNED_FOR, Rejected, decode_from_peer, hop_tensor
 from swarmnode.node.compute import ComputeQueue
 from swarmnode.node.events import emit
+from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.router import Router
 from swarmnode.node.serving import StateServer, request_seconds
@@ -91,7 +92,9 @@ class Node:
         self.state = NodeState.JOINING
         self.snapshot = Snapshot({})
         self.microbatches_lost = 0
+        self.microbatches_served = 0  # backward passes completed here
         self.tokens_processed = 0
+        self.metrics: DaemonMetrics | None = None  # `--metrics-port`: told of rejections and hops
         self.last_loss: float | None = None
         self.recovery: tuple[str, float] | None = None
         self.rng = random.Random(f"{spec.seed}/{self.me}")
@@ -126,6 +129,8 @@ class Node:
         self.router = Router(
             self.transport, self.me, self.snapshot_online, self.spec.hop_timeout_s, self.compression, self.rng
         )
+        if self.metrics is not None:
+            self.router.on_hop = self.metrics.observe_hop
         outer_config = OuterConfig(
             alpha=self.spec.noloco_alpha,
             beta=self.spec.noloco_beta,
@@ -250,6 +255,8 @@ class Node:
                 message = None if kind is None else decode_from_peer(meta, kind, self.spec.run_id)
                 return await handler(str(peer), message, tensors)
             except Rejected as rejected:
+                if self.metrics is not None:
+                    self.metrics.rejected(str(rejected.code), banned=rejected.code in BANNED_FOR)
                 if rejected.code in BANNED_FOR:
                     self.transport.ban(peer, BAN_SECONDS)
                     logger.warning(

@@ -361,6 +361,7 @@ class DataNode(Node):
             return True
 
         if await self.compute.submit(Priority.BACKWARD, finish):
+            self.microbatches_served += 1
             mb.done = True
             iteration.check()
 

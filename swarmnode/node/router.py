@@ -37,6 +37,8 @@ from swarmnode.transport import Compression, PeerUnreachable, Transport, Transpo
 
 logger = logging.getLogger(__name__)
 
+HopObserver = Callable[[str, int, float, int], None]  # direction, peer stage, seconds, tensor bytes
+
 SUSPECT_SECONDS = 10.0
 
 
@@ -66,6 +68,12 @@ class Router:
         self.failures_seen = 0
         self.reroutes = 0
         self.skips = 0
+        self.on_hop: HopObserver | None = None  # told of every hop delivered (metrics)
+
+    def _observe(self, direction: str, peer_stage: int, started: float, tensor: Tensor) -> None:
+        if self.on_hop is not None:
+            size = tensor.numel() * tensor.element_size()
+            self.on_hop(direction, peer_stage, time.monotonic() - started, size)
 
     def suspect(self, peer: str) -> None:
         self.failures_seen += 1
@@ -129,7 +137,9 @@ class Router:
             if attempted is not None:
                 attempted.add(target)
             try:
+                started = time.monotonic()
                 await self.call(target, Rpc.FORWARD, encode(message), [hidden], self.hop_timeout_s)
+                self._observe("forward", stages[nxt], started, hidden)
                 return message
             except Refused as error:
                 logger.info("forward to %s (stage %d) refused: %s", target[-8:], stages[nxt], error)
@@ -166,7 +176,9 @@ class Router:
         )
         target = received.path[target_hop]
         try:
+            started = time.monotonic()
             await self.call(target, Rpc.BACKWARD, encode(message), [grad], self.hop_timeout_s)
+            self._observe("backward", received.stages[target_hop], started, grad)
             return True
         except Refused as error:
             logger.info("backward to %s refused: %s", target[-8:], error)

@@ -17,8 +17,9 @@ from swarmnode.data import check_splits, load_corpus
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
-from swarmnode.node.events import emit
+from swarmnode.node.events import emit, listen
 from swarmnode.node.liveness import answering
+from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.node.orphans import adopt_orphans, end_orphans
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.stage import StageNode
@@ -57,6 +58,8 @@ class JoinOptions:
     identity: Path | None = None  # where this node's key is kept (None: a fresh key each start)
     run_owners: tuple[str, ...] = ()  # whose run definition to accept (empty: the initial peers')
     linger: bool = False  # a data node that finished the run stays online (serving its weights) until stopped
+    metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free one); None: none
+    metrics_host: str = "127.0.0.1"
     device: str = "auto"  # `precision.resolve_device`
     dtype: str | None = None  # this node's compute dtype; None: the run's
 
@@ -151,6 +154,7 @@ async def run_join(options: JoinOptions) -> int:
         identity_path=options.identity,
         run_owners=options.run_owners,
     )
+    metrics = _serve_metrics(options)
     emit("joining", phase="dht", seconds=round(time.monotonic() - started, 3))
     try:
         spec = await dht.wait_for_run(RUN_WAIT_S)
@@ -161,12 +165,17 @@ async def run_join(options: JoinOptions) -> int:
         next_stage: int | None = stage
         while next_stage is not None:
             node = await _build_announced(options, spec, dht, next_stage)
+            node.metrics = metrics
+            if metrics is not None:
+                metrics.attach(node)
             watchdog = asyncio.create_task(_watch_dht(dht, node))
             try:
                 await _serve(node, options.linger)
             finally:
                 watchdog.cancel()
                 await node.close()
+                if metrics is not None:
+                    metrics.attach(None)
             if not dht.alive:
                 end_orphans()
                 return 1
@@ -176,6 +185,23 @@ async def run_join(options: JoinOptions) -> int:
         return 0
     finally:
         await dht.close()
+
+
+def _serve_metrics(options: JoinOptions) -> DaemonMetrics | None:
+    """`--metrics-port`: the daemon's metrics, served from now on, their address announced in an event."""
+    if options.metrics_port is None:
+        return None
+    metrics = DaemonMetrics("node")
+    try:
+        port = metrics.serve(options.metrics_host, options.metrics_port)
+    except OSError as error:
+        where = f"{options.metrics_host}:{options.metrics_port}"
+        raise ValueError(
+            f"--metrics-port: cannot serve metrics on {where}: {error.strerror or error}"
+        ) from None
+    listen(metrics.on_event)
+    emit("metrics", url=f"http://{options.metrics_host}:{port}/metrics", port=port)
+    return metrics
 
 
 async def _build_announced(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) -> Node:

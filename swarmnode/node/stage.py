@@ -196,6 +196,7 @@ class StageNode(Node):
             await self.maybe_step()
             return
         self.book.finish(key, applied=True, now=time.monotonic())
+        self.microbatches_served += 1
         delivered = await self.router.backward(message, grad_in)
         if not delivered:
             await self._abort_everywhere(message, key, "previous hop unreachable")
