@@ -66,13 +66,15 @@ class SwarmConfig:
         """A daemon of `stage` (None: `--stage auto`); `shard` (I/K): the data it reads as a data node.
 
         Torch threads are split evenly between the nodes, so a small machine is not oversubscribed. Data nodes
-        linger after the last step, so that the final model can be exported (`export_argv`).
+        linger after the last step, so that the final model can be exported (`export_argv`). Every node
+        serves its metrics on a free port (listed in the report).
         """
         threads = max(1, usable_cpus() // self.initial_nodes)
         return [
             *self.command, "join", "--stage", "auto" if stage is None else str(stage),
             "--initial-peers", str(self.peers_file), "--run-id", self.run_id, "--threads", str(threads),
-            "--linger", "--device", self.device, *(["--shard", shard] if shard is not None else []),
+            "--linger", "--device", self.device, "--metrics-port", "0",
+            *(["--shard", shard] if shard is not None else []),
         ]  # fmt: skip
 
     def export_argv(self) -> list[str]:

@@ -88,7 +88,17 @@ class Finished:
     time: float
 
 
-Event = Joining | Online | Step | Validation | Recovered | OuterStep | MicrobatchLost | Finished
+@dataclass(frozen=True)
+class MetricsServed:
+    """A daemon serves its Prometheus metrics at `url` (`join --metrics-port`)."""
+
+    url: str
+    time: float
+
+
+Event = (
+    Joining | Online | Step | Validation | Recovered | OuterStep | MicrobatchLost | Finished | MetricsServed
+)
 
 
 def parse_event(line: str, received: float) -> Event | None:
@@ -143,6 +153,10 @@ def parse_event(line: str, received: float) -> Event | None:
             step = _count(raw.get("step"))
             if step is not None:
                 return Finished(step, when)
+        case "metrics":
+            url = raw.get("url")
+            if isinstance(url, str) and url.startswith("http://") and len(url) < 200:
+                return MetricsServed(url, when)
         case "microbatch_lost":
             step, count = _count(raw.get("step", 0)), _count(raw.get("count", 1))
             if step is not None and count is not None:

@@ -23,6 +23,7 @@ from swarmnode.launcher.config import SwarmConfig, read_peers
 from swarmnode.launcher.daemon_events import (
     Finished,
     Joining,
+    MetricsServed,
     Online,
     Recovered,
     Step,
@@ -229,6 +230,8 @@ class LocalSwarm:
                     self._on_online(node, event)
                 elif isinstance(event, Recovered):
                     self._on_recovered(node, self._record.recoveries[-1])  # just recorded by add()
+                elif isinstance(event, MetricsServed):
+                    node.metrics_url = event.url
         if self._observer_tail is not None:
             for line in self._observer_tail.read_lines():
                 counts = parse_snapshot(line)
@@ -376,7 +379,10 @@ class LocalSwarm:
     def _write_report(self, outcome: RunOutcome, message: str) -> dict[str, Any]:
         config, record = self.config, self._record
         nodes = [report_entry(child, None, None, killed=False) for child in self._helpers]
-        nodes += [report_entry(node.process, node.stage, node.peer_id, node.killed) for node in self._nodes]
+        nodes += [
+            report_entry(node.process, node.stage, node.peer_id, node.killed, node.metrics_url)
+            for node in self._nodes
+        ]
         wall = time.monotonic() - self._started
         report = build_report(record, outcome.value, message, wall, config.settings(), nodes, self._model)
         write_report(self.out / "report.json", report)

@@ -24,6 +24,7 @@ class LaunchedNode:
     finished: bool = False  # a data node that took the last step (it lingers until ended)
     killed: bool = False
     exited: bool = False
+    metrics_url: str | None = None  # where its Prometheus metrics are served
 
     @property
     def alive(self) -> bool:
@@ -48,7 +49,9 @@ def stage_counts(
     return result
 
 
-def report_entry(child: ChildProcess, stage: int | None, peer_id: str | None, killed: bool) -> dict[str, Any]:
+def report_entry(
+    child: ChildProcess, stage: int | None, peer_id: str | None, killed: bool, metrics_url: str | None = None
+) -> dict[str, Any]:
     """A child as the report lists it."""
     return {
         "name": child.name,
@@ -57,6 +60,7 @@ def report_entry(child: ChildProcess, stage: int | None, peer_id: str | None, ki
         "peer_id": peer_id,
         "exit_code": child.returncode,
         "killed": killed,
+        "metrics_url": metrics_url,
     }
 
 

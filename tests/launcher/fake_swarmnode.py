@@ -59,6 +59,8 @@ def join(args: list[str]) -> None:
     stage = int(os.environ.get("FAKE_AUTO_STAGE", "1")) if stage_arg == "auto" else int(stage_arg)
     assert int(option(args, "--threads")) >= 1
     assert stage != 0 or "--shard" in args
+    assert option(args, "--metrics-port") == "0"
+    emit("metrics", url=f"http://127.0.0.1:9{os.getpid() % 1000:03d}/metrics", port=9000 + os.getpid() % 1000)
     emit("joining", phase="stage", stage=stage, seconds=0.1)
     emit("online", stage=stage, peer_id=f"12D3KooWfake{os.getpid()}")
     if stage_arg == "auto":

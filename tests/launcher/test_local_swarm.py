@@ -87,6 +87,8 @@ def test_a_run_with_a_planned_kill(tmp_path: Path, pids_dir: Path, monkeypatch: 
     nodes = {node["name"]: node for node in report["nodes"]}
     assert set(nodes) == {"bootstrap", "data1", "data2", "s1r1", "s2r1", "spot1"}
     assert nodes["spot1"]["stage"] == 2 and nodes["s2r1"]["killed"] and nodes["data1"]["exit_code"] == 0
+    assert nodes["data1"]["metrics_url"] == f"http://127.0.0.1:9{nodes['data1']['pid'] % 1000:03d}/metrics"
+    assert nodes["bootstrap"]["metrics_url"] is None
     assert report["settings"]["kills"] == ["2@4"] and report["settings"]["steps"] == 20
     assert (tmp_path / "out" / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert (tmp_path / "out" / "logs" / "spot1.out").exists()

@@ -63,6 +63,9 @@ def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
 
     names = {node["name"] for node in report["nodes"]}
     assert {"bootstrap", "observer", "data1", "data2", "s1r1", "s1r2", "s3r2"} <= names
+    daemons = [node for node in report["nodes"] if node["name"] not in ("bootstrap", "observer", "exporter")]
+    urls = [node["metrics_url"] for node in daemons]  # every daemon served its metrics on a port of its own
+    assert all(url and url.startswith("http://127.0.0.1:") for url in urls) and len(set(urls)) == len(urls)
     assert [node["name"] for node in report["nodes"] if group_running(node["pid"])] == []  # no p2pd, no DHT
     assert "all 8 nodes joined" in stderr and "completed: 100 steps done" in stderr
     assert "stage 2 lost" in stderr
