@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_helpers import run
 from swarm_harness import LocalTestSwarm, local_test_swarm
+
+TRAINED_STEPS = 6
 
 
 @pytest.fixture
@@ -15,3 +19,15 @@ def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
     on exit define their own."""
     with local_test_swarm(tmp_path / "swarm") as harness:
         yield harness
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
+    """`swarmnode train --out` after `TRAINED_STEPS` steps: the model folder and the run's figures (its final
+    validation loss is the folder's)."""
+    out = tmp_path_factory.mktemp("train") / "model"
+    code, output = run(
+        "train", "--steps", str(TRAINED_STEPS), "--eval-every", "6", "--out", str(out), "--json"
+    )
+    assert code == 0, output
+    return out, json.loads(output.strip().splitlines()[-1])

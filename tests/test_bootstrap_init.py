@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_helpers import one_line_usage_error, run
 from hivemind.p2p import PeerID
 from swarm_harness import LocalTestSwarm
 
 from protocols.messages import Error, ErrorCode, StatePart, StateRequest, StateTransfer, decode, encode
-from swarmnode.cli import main
 from swarmnode.node import state
 from swarmnode.node.seed import SeedServer, SeedWeights, digest, read_seed
 from swarmnode.runspec import RunSpec, RunSpecError
@@ -23,26 +22,6 @@ from swarmnode.transport import Reply
 
 Trained = tuple[Path, dict[str, float]]
 PEER = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
-
-
-def run(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(main, list(args))
-    return result.exit_code, result.output
-
-
-def one_line_usage_error(code: int, output: str, *expected: str) -> None:
-    assert code == 2 and "Traceback" not in output, output
-    error = [line for line in output.splitlines() if line.startswith("Error:")]
-    assert len(error) == 1 and all(text in error[0] for text in expected), output
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
-    """`train --out` after 6 steps: the folder and the run's figures (its validation loss is the folder's)."""
-    out = tmp_path_factory.mktemp("train") / "model"
-    code, output = run("train", "--steps", "6", "--eval-every", "6", "--out", str(out), "--json")
-    assert code == 0, output
-    return out, json.loads(output.strip().splitlines()[-1])
 
 
 def test_seed_digests_name_each_stage_and_change_with_any_weight(

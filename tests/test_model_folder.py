@@ -9,34 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_helpers import one_line_usage_error, run
 
-from swarmnode.cli import main
 from swarmnode.data import load_corpus
 from swarmnode.hf import SplitStateDicts
 from swarmnode.model import Llama
 from swarmnode.modeldir import ModelFolderError, check_out_folder, read_model_folder, write_model_folder
 from swarmnode.presets import get_preset
-
-
-def run(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(main, list(args))
-    return result.exit_code, result.output
-
-
-def one_line_usage_error(code: int, output: str, *expected: str) -> None:
-    assert code == 2 and "Traceback" not in output, output
-    error = [line for line in output.splitlines() if line.startswith("Error:")]
-    assert len(error) == 1 and all(text in error[0] for text in expected), output
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
-    """`train --out` after 2 steps: the folder and the run's figures."""
-    out = tmp_path_factory.mktemp("train") / "model"
-    code, output = run("train", "--steps", "2", "--eval-every", "1", "--out", str(out), "--json")
-    assert code == 0, output
-    return out, json.loads(output.strip().splitlines()[-1])
 
 
 def test_a_written_folder_loads_in_transformers_with_the_same_logits(tmp_path: Path) -> None:
@@ -65,7 +44,7 @@ def test_train_out_then_init_from_continues_at_the_exported_loss(
     trained: tuple[Path, dict[str, float]],
 ) -> None:
     out, first = trained
-    assert json.loads((out / "config.json").read_text())["swarmnode"]["step"] == 2
+    assert json.loads((out / "config.json").read_text())["swarmnode"]["step"] == first["steps"]
     code, output = run("train", "--steps", "1", "--eval-every", "1", "--init-from", str(out), "--json")
     assert code == 0, output
     second = json.loads(output.strip().splitlines()[-1])
