@@ -70,7 +70,7 @@ from quality_summary import (  # benchmarks/, next to this script
 )
 
 from swarmnode.data import Corpus, load_corpus
-from swarmnode.model import stage_layers
+from swarmnode.model_config import stage_layers
 from swarmnode.presets import get_preset
 from swarmnode.trainer import Progress, TrainConfig, train
 

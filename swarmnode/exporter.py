@@ -38,7 +38,8 @@ from swarmnode.data import Corpus, load_corpus, validation_set
 from swarmnode.datasource import cache_dir, default_source, user_source
 from swarmnode.dht import SwarmDHT
 from swarmnode.hf import SplitStateDicts
-from swarmnode.model import DecoderStage, ModelConfig, OutputHead, TokenEmbedding, stage_layers
+from swarmnode.model import DecoderStage, OutputHead, TokenEmbedding
+from swarmnode.model_config import ModelConfig, stage_layers
 from swarmnode.modeldir import load_pieces, read_model_folder, write_model_folder
 from swarmnode.node import state
 from swarmnode.node.events import emit

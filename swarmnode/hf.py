@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from swarmnode.model import ModelConfig, stage_layers
+from swarmnode.model_config import ModelConfig, stage_layers
 
 _STAGE_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from swarmnode.hf import SplitStateDicts, from_hf_state_dict, hf_config_kwargs, to_hf_state_dict
-from swarmnode.model import ModelConfig
+from swarmnode.model_config import ModelConfig
 from swarmnode.tokenizer import eos_id
 
 CONFIG_FILE = "config.json"

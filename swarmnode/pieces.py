@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from swarmnode.model import ModelConfig, OutputHead, TokenEmbedding, build_embedding, build_head, build_stage
+from swarmnode.model import OutputHead, TokenEmbedding, build_embedding, build_head, build_stage
+from swarmnode.model_config import ModelConfig
 
 
 class DataPiece(nn.Module):

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from swarmnode.model import ModelConfig, stage_layers
+from swarmnode.model_config import ModelConfig, stage_layers
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from swarmnode.hf import from_hf_state_dict, hf_config_kwargs, to_hf_state_dict
-from swarmnode.model import (
-    Llama,
-    ModelConfig,
-    build_embedding,
-    build_head,
-    build_stage,
-    param_count,
-    stage_layers,
-)
+from swarmnode.model import Llama, build_embedding, build_head, build_stage
+from swarmnode.model_config import ModelConfig, param_count, stage_layers
 from swarmnode.presets import PRESETS, get_preset
 
 # Small, and not default in any knob the HF mapping has to carry: grouped KV heads, rope theta, norm eps.

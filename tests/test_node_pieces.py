@@ -16,7 +16,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from protocols.messages import NodeRecord, NodeState, StatePart, encode
 from protocols.stepbook import MicrobatchKey
 from swarmnode.identity import Identity
-from swarmnode.model import ModelConfig, build_stage
+from swarmnode.model import build_stage
+from swarmnode.model_config import ModelConfig
 from swarmnode.node.planning import Snapshot, plan_iteration
 from swarmnode.node.run import choose_stage, leaves_claim
 from swarmnode.node.state import (

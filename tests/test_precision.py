@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from protocols.stepbook import MicrobatchKey
 from swarmnode.cli import main
-from swarmnode.model import ModelConfig, build_stage
+from swarmnode.model import build_stage
+from swarmnode.model_config import ModelConfig
 from swarmnode.node.worker import DataWorker, StageWorker, Wire
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import build_piece

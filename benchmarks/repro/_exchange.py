@@ -24,7 +24,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from protocols.messages import AveragingReply, AveragingRequest, Rpc, decode, encode
-from swarmnode.model import ModelConfig
+from swarmnode.model_config import ModelConfig
 from swarmnode.node.state import manifest
 from swarmnode.pieces import build_piece
 from swarmnode.transport import Transport, TransportConfig

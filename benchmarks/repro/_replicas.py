@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from swarmnode.data import Corpus, batches, data_node_tokens, load_corpus, val_batches
-from swarmnode.model import ModelConfig
+from swarmnode.model_config import ModelConfig
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import DataPiece, build_piece
 from swarmnode.presets import get_preset

@@ -34,7 +34,7 @@ from protocols.checkfree import (
     swaps_edge_pairs,
 )
 from swarmnode.data import Corpus, batches, load_corpus, val_batches
-from swarmnode.model import ModelConfig
+from swarmnode.model_config import ModelConfig
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import DataPiece, build_piece
 from swarmnode.presets import get_preset

@@ -17,10 +17,6 @@ from swarmnode.cli.swarm import (
     _peers_or_fail,
     _run_async,
 )
-from swarmnode.data import DataError
-from swarmnode.dht import DHTUnavailable, RunNotFound
-from swarmnode.exporter import SNAPSHOT_PREFIX
-from swarmnode.modeldir import ModelFolderError, check_out_folder
 from swarmnode.runspec import RunVersionMismatch
 
 
@@ -74,7 +70,10 @@ def export(
     """Fetch every stage's weights from live nodes of the run and write a Hugging Face Llama folder
     (config.json, model.safetensors, generation_config.json, the tokenizer); prints one JSON line per
     folder written."""
-    from swarmnode.exporter import ExportError, export_command
+    from swarmnode.data import DataError
+    from swarmnode.dht import DHTUnavailable, RunNotFound
+    from swarmnode.exporter import SNAPSHOT_PREFIX, ExportError, export_command
+    from swarmnode.modeldir import ModelFolderError, check_out_folder
 
     _logging(verbose)
     peers = _peers_or_fail(initial_peers)

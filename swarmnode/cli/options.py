@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from swarmnode.data import Corpus, DataError, check_splits, load_corpus
-from swarmnode.model import ModelConfig
-from swarmnode.modeldir import ModelFolderError, check_out_folder, check_shape, read_config, tokenizer_of
+from swarmnode.model_config import ModelConfig
 from swarmnode.presets import Preset, get_preset
+
+if TYPE_CHECKING:
+    from swarmnode.data import Corpus
 
 
 def preset_or_fail(name: str) -> Preset:
@@ -31,6 +33,8 @@ def stages_or_fail(preset: Preset, stages: int | None) -> int:
 
 def load_corpus_or_fail(data: Path | None, tokenizer: Path | None, vocab_size: int, seq_len: int) -> Corpus:
     """The corpus, with both splits long enough for a batch of `seq_len`; else a one-line usage error."""
+    from swarmnode.data import DataError, check_splits, load_corpus
+
     try:
         corpus = load_corpus(data, tokenizer, vocab_size)
         check_splits(corpus, seq_len, str(data) if data is not None else "the default corpus")
@@ -41,6 +45,8 @@ def load_corpus_or_fail(data: Path | None, tokenizer: Path | None, vocab_size: i
 
 def out_folder_or_fail(out: Path | None) -> None:
     """`--out DIR` for a model folder: absent, empty or an earlier model folder, in a writable place."""
+    from swarmnode.modeldir import ModelFolderError, check_out_folder
+
     if out is None:
         return
     try:
@@ -51,6 +57,8 @@ def out_folder_or_fail(out: Path | None) -> None:
 
 def init_tokenizer_or_fail(folder: Path) -> Path:
     """The tokenizer.json of an `--init-from` folder (the model's vocabulary is that tokenizer's)."""
+    from swarmnode.modeldir import tokenizer_of
+
     if not folder.is_dir():
         raise click.BadParameter(f"{folder} is not a folder", param_hint="--init-from")
     path = tokenizer_of(folder)
@@ -65,6 +73,8 @@ def init_tokenizer_or_fail(folder: Path) -> Path:
 def init_from_or_fail(folder: Path | None, expected: ModelConfig, preset: str) -> None:
     """`--init-from DIR`: a Llama folder whose shape and vocabulary are the run's (the field that differs
     is named)."""
+    from swarmnode.modeldir import ModelFolderError, check_shape, read_config
+
     if folder is None:
         return
     try:

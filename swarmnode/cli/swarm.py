@@ -13,9 +13,6 @@ import click
 
 from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.config_file import config_option
-from swarmnode.data import DataError, check_splits, load_corpus
-from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable, RunNotFound, read_initial_peers
-from swarmnode.identity import Identity, IdentityError, public_key_of
 from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 if TYPE_CHECKING:
@@ -34,7 +31,7 @@ METRICS_PORT_HELP = (
 )
 METRICS_HOST_HELP = "Address the metrics endpoint listens on."
 VERBOSE_HELP = "Log at info level, hivemind's warnings included (default: warnings only)."
-DHT_TIMEOUT = f"a DHT call got no answer within {DHT_CALL_TIMEOUT_S:g} s"
+DHT_TIMEOUT = "a DHT call got no answer within {seconds:g} s"  # `dht.DHT_CALL_TIMEOUT_S`
 
 
 def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
@@ -72,6 +69,8 @@ def _peers_file_or_fail(path: Path | None) -> None:
 
 def _identity_or_fail(path: Path | None) -> Path | None:
     """`--identity`: an existing file must hold a usable key, and a new one must be creatable."""
+    from swarmnode.identity import Identity, IdentityError
+
     if path is None:
         return None
     try:
@@ -85,6 +84,8 @@ def _identity_or_fail(path: Path | None) -> Path | None:
 
 
 def _owners_or_fail(values: tuple[str, ...]) -> tuple[str, ...]:
+    from swarmnode.identity import IdentityError, public_key_of
+
     for value in values:
         try:
             public_key_of(value)
@@ -94,13 +95,16 @@ def _owners_or_fail(values: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _peers_or_fail(value: str | None) -> list[str]:
+    from swarmnode.dht import read_initial_peers
+
     try:
         peers = read_initial_peers(value)
     except (OSError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--initial-peers") from None
     if not peers:
-        where = f"the file {value} lists none" if value and Path(value).is_file() else "none given"
-        raise click.BadParameter(f"no initial peers: {where}", param_hint="--initial-peers")
+        listed = value and Path(value).is_file()
+        why = f"no initial peers: the file {value} lists none" if listed else "no initial peers given"
+        raise click.BadParameter(why, param_hint="--initial-peers")
     return peers
 
 
@@ -183,6 +187,8 @@ def bootstrap(
     """Run the swarm's entry peer: publish the run definition and print the multiaddrs to join.
 
     Its peer id owns the run: joiners take the run definition only from it."""
+    from swarmnode.data import DataError, check_splits, load_corpus
+    from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable
     from swarmnode.node.bootstrap import run_bootstrap
 
     _logging(verbose)
@@ -220,7 +226,8 @@ def bootstrap(
     except DHTUnavailable as error:
         raise click.ClickException(str(error)) from None
     except TimeoutError:
-        raise click.ClickException(f"publishing the run: {DHT_TIMEOUT}") from None
+        timeout = DHT_TIMEOUT.format(seconds=DHT_CALL_TIMEOUT_S)
+        raise click.ClickException(f"publishing the run: {timeout}") from None
     raise SystemExit(code)
 
 
@@ -332,6 +339,8 @@ def join(
     verbose: bool,
 ) -> None:
     """Run one daemon serving a stage of the run the initial peers belong to."""
+    from swarmnode.data import DataError
+    from swarmnode.dht import DHTUnavailable, RunNotFound
     from swarmnode.node.run import JoinOptions, run_join
     from swarmnode.node.seed import SeedError
 
@@ -382,7 +391,10 @@ def status(
     initial_peers: str | None, run_id: str, as_json: bool, watch: bool, run_owners: tuple[str, ...]
 ) -> None:
     """Show the swarm: stages, their peers and states, steps, loss, throughput (read from the DHT only)."""
+    from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable
     from swarmnode.status import SwarmObserver, format_table
+
+    timeout = DHT_TIMEOUT.format(seconds=DHT_CALL_TIMEOUT_S)
 
     try:
         observer = SwarmObserver(_peers_or_fail(initial_peers), run_id, _owners_or_fail(run_owners))
@@ -396,8 +408,8 @@ def status(
                 raise click.ClickException(str(error)) from None
             except TimeoutError:
                 if not watch:
-                    raise click.ClickException(DHT_TIMEOUT) from None
-                click.echo(f"{time.strftime('%H:%M:%S')} {DHT_TIMEOUT}; trying again", err=True)
+                    raise click.ClickException(timeout) from None
+                click.echo(f"{time.strftime('%H:%M:%S')} {timeout}; trying again", err=True)
             else:
                 click.echo(json.dumps(summary) if as_json else format_table(summary))
             if not watch:

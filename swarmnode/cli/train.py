@@ -18,9 +18,6 @@ from swarmnode.cli.options import (
     preset_or_fail,
     stages_or_fail,
 )
-from swarmnode.modeldir import ModelFolderError
-from swarmnode.trainer import Progress, TrainConfig
-from swarmnode.trainer import train as run_training
 
 
 @click.command()
@@ -75,6 +72,10 @@ def train(
     as_json: bool,
 ) -> None:
     """Train a preset in this one process, through the same stage pieces the daemons run."""
+    from swarmnode.modeldir import ModelFolderError
+    from swarmnode.trainer import Progress, TrainConfig
+    from swarmnode.trainer import train as run_training
+
     device_or_fail(device)
     chosen = preset_or_fail(preset)
     n_stages = stages_or_fail(chosen, stages)

@@ -44,7 +44,7 @@ from protocols.messages import (
     decode,
     encode,
 )
-from swarmnode.model import ModelConfig
+from swarmnode.model_config import ModelConfig
 from swarmnode.node import state
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
