@@ -1,21 +1,23 @@
 """Wall-clock to a target loss under stage failures (spec/checkfree.md, the paper's Table 2 shape).
 
 A model of the tiny preset's dimensions in 6 stages of one layer trains until its validation loss reaches the
-target: the loss a failure-free run of the same seed reaches after `target_steps` steps. Each transformer
+target: the loss a failure-free run of the same seed reaches after `target_steps` steps (both as the mean of
+the last 3 evaluations, 4 steps apart: one evaluation is too noisy to be a target). Each transformer
 stage fails with probability p in each iteration, drawn independently (the paper's failure model); the draws
 of a (seed, rate) are the same for every method, indexed by executed iteration. Methods:
 
-- `checkpointing`: a checkpoint every `--ckpt-every` steps; a failure rolls the whole model back to it (the
-  steps since are trained again on the same batches);
+- `checkpointing`: a checkpoint every 10 steps (3 in smoke mode); a failure rolls the whole model back to
+  it (the steps since are trained again on the same batches);
 - `redundant`: Bamboo-style redundant computation: a failure loses nothing, every iteration is slower (each
   stage also runs its successor's forward); its trajectory is the failure-free run's;
 - `checkfree`: lost stages rebuilt as `protocols.checkfree.plan_recovery` plans them (CheckFree+ off);
 - `checkfree_plus`: CheckFree+ swaps on, copies of E and E' refreshed every 10 steps, plans with CheckFree+;
 - `no_failure`: the failure-free run, for reference.
 
-Times are measured in this run, in this process: a plain iteration, an iteration with the redundant forward,
-a CheckFree+ iteration, taking and restoring a checkpoint, each rebuild, each copy refresh. Wall-clock is
-expressed in plain iterations. What one process cannot measure is the start of a replacement node; it is
+Times are measured in this run, in this process: a plain iteration, and against it in interleaved pairs (the
+load of a shared machine changes) an iteration with the redundant forward and a CheckFree+ iteration; taking
+and restoring a checkpoint, each rebuild, each copy refresh. Wall-clock is expressed in plain iterations.
+What one process cannot measure is the start of a replacement node; it is
 added per failure event as `J` plain iterations, under two assumptions: the paper's (about 30 s to recover
 at 92 s per iteration: J = 0.33) and a loopback swarm of the tiny preset (about 6 s to start a replacement,
 benchmarks/recovery_time.py, at about 0.5 s per iteration, benchmarks/results/swarm_quality_session4.json:
@@ -50,7 +52,7 @@ COPY_REFRESH_STEPS = 10
 # mode: (setup, target steps, seeds, rate scale, checkpoint every, evaluate every, cap in target runs)
 MODES = {
     "smoke": (Setup(seq_len=32, val_batches=1), 6, 1, 20.0, 3, 2, 3),
-    "quick": (Setup(), 50, 2, 7.0, 10, 4, 3),
+    "quick": (Setup(), 48, 2, 7.0, 10, 4, 3),
     "full": (Setup(), 60, 3, 6.0, 10, 4, 3),
 }
 
@@ -68,6 +70,10 @@ class Run:
     overhead_s: float = 0.0  # measured seconds of saves, restores, rebuilds and refreshes
     methods: dict[str, int] = field(default_factory=dict)  # rebuild method -> count
     iteration_s: list[float] = field(default_factory=list)
+    evals: dict[int, float] = field(default_factory=dict)  # model step -> validation loss
+
+
+SMOOTH = 3  # a run reaches the target when the mean of its last SMOOTH evaluations does (one is noisy)
 
 
 def timed_step(model: StagedModel, data: Data, run: Run, plus: bool) -> None:
@@ -77,8 +83,22 @@ def timed_step(model: StagedModel, data: Data, run: Run, plus: bool) -> None:
     run.iterations += 1
 
 
-def reached(model: StagedModel, data: Data, target: float, every: int) -> bool:
-    return model.step % every == 0 and model.evaluate(data) <= target
+def smoothed(evals: dict[int, float], step: int, every: int) -> float | None:
+    """The mean of the evaluations at the last SMOOTH evaluated steps up to `step` (None if too few)."""
+    steps = [step - i * every for i in range(SMOOTH)]
+    if any(s not in evals for s in steps):
+        return None
+    return mean([evals[s] for s in steps])
+
+
+def reached(model: StagedModel, data: Data, run: Run, target: float, every: int) -> bool:
+    """Evaluate every `every` steps; evaluations are keyed by model step, so a rollback's lost steps are
+    evaluated again as they are trained again."""
+    if model.step % every:
+        return False
+    run.evals[model.step] = model.evaluate(data)
+    loss = smoothed(run.evals, model.step, every)
+    return loss is not None and loss <= target
 
 
 def run_checkpointing(
@@ -98,7 +118,7 @@ def run_checkpointing(
             checkpoint = model.fork()
             run.overhead_s += time.perf_counter() - tick
             run.saves += 1
-        if reached(model, data, target, every):
+        if reached(model, data, run, target, every):
             run.reached = True
             break
     return run
@@ -126,22 +146,24 @@ def run_checkfree(
             model.refresh_copies()
             run.overhead_s += time.perf_counter() - tick
             run.refreshes += 1
-        if reached(model, data, target, every):
+        if reached(model, data, run, target, every):
             run.reached = True
             break
     return run
 
 
-def redundant_ratio(model: StagedModel, data: Data, pairs: int) -> float:
-    """Median over interleaved pairs of (iteration + redundant forward) / plain iteration, on a fork."""
+def paired_ratio(model: StagedModel, data: Data, pairs: int, redundant: bool, plus: bool) -> float:
+    """Median over interleaved pairs, on a fork, of the time of a variant iteration (with the redundant
+    forward, or CheckFree+ order) over a plain one: both in the same moment of a shared machine's load."""
     fork, ratios = model.fork(), []
     for _ in range(pairs):
         tick = time.perf_counter()
         fork.train_step(data)
         plain = time.perf_counter() - tick
         tick = time.perf_counter()
-        fork.redundant_forward(data)
-        fork.train_step(data)
+        if redundant:
+            fork.redundant_forward(data)
+        fork.train_step(data, checkfree_plus=plus)
         ratios.append((time.perf_counter() - tick) / plain)
     return statistics.median(ratios)
 
@@ -159,16 +181,24 @@ def wallclock(
 def run_seed(setup: Setup, data: Data, seed: int, mode: tuple, rates: dict[str, float]) -> dict[str, object]:
     _, target_steps, _, _, ckpt_every, every, cap = mode
     start = StagedModel(setup, data.corpus.vocab_size, seed)
-    base, curve = Run(), []
-    model = start.fork()
+    if target_steps % every or target_steps < SMOOTH * every:
+        raise ValueError(
+            f"target steps {target_steps} must be a multiple of {every}, at least {SMOOTH * every}"
+        )
+    base, model = Run(), start.fork()
     for _ in range(target_steps):
         timed_step(model, data, base, plus=False)
-        if model.step % every == 0 or model.step == target_steps:
-            curve.append((model.step, model.evaluate(data)))
-    target = curve[-1][1]
-    base.iterations = next(step for step, loss in curve if loss <= target)
+        if model.step % every == 0:
+            base.evals[model.step] = model.evaluate(data)
+    target = smoothed(base.evals, target_steps, every)
+    curve = sorted(base.evals.items())
+    base.iterations = next(
+        s for s, _ in curve if (v := smoothed(base.evals, s, every)) is not None and v <= target
+    )
     base.reached = True
-    red = redundant_ratio(start, data, pairs=max(3, target_steps // 10))
+    pairs = max(3, target_steps // 10)
+    red = paired_ratio(start, data, pairs, redundant=True, plus=False)
+    swap = paired_ratio(start, data, pairs, redundant=False, plus=True)
     runs: dict[str, dict[str, Run]] = {}
     for label, p in rates.items():
         rng = np.random.default_rng([seed, round(p * 1e9)])
@@ -180,9 +210,6 @@ def run_seed(setup: Setup, data: Data, seed: int, mode: tuple, rates: dict[str, 
             "checkfree_plus": run_checkfree(start, data, draws, target, every, plus=True),
         }
     t_plain = statistics.median(base.iteration_s)
-    swap = statistics.median(
-        [t for by in runs.values() for t in by["checkfree_plus"].iteration_s]
-    ) / statistics.median([t for by in runs.values() for t in by["checkfree"].iteration_s])
     times = {
         jname: {
             label: {m: wallclock(m, by[m], t_plain, j, red, swap) for m in METHODS}
@@ -192,7 +219,9 @@ def run_seed(setup: Setup, data: Data, seed: int, mode: tuple, rates: dict[str, 
         for jname, j in JOIN_ITERATIONS.items()
     }
     detail = {
-        label: {m: {k: v for k, v in by[m].__dict__.items() if k != "iteration_s"} for m in METHODS}
+        label: {
+            m: {k: v for k, v in by[m].__dict__.items() if k not in ("iteration_s", "evals")} for m in METHODS
+        }
         for label, by in runs.items()
     }
     return {
