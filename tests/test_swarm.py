@@ -82,7 +82,13 @@ def max_steps(summary: dict[str, Any]) -> dict[int, int]:
 
 @pytest.mark.timeout(170)
 def test_pipeline_of_three_stages_trains(swarm: LocalTestSwarm) -> None:
-    start_stages(swarm, [1, 2, 3], steps=30)
+    """Stage 2 computes in bfloat16 (autocast, float32 master weights) among float32 nodes: mixed precision
+    trains like the rest (issue 11)."""
+    swarm.bootstrap(steps=30)
+    stages = [swarm.join(1), swarm.join(2, "--device", "cpu", "--dtype", "bfloat16"), swarm.join(3)]
+    online = swarm.wait_online(*stages)
+    assert [e["dtype"] for e in online] == ["float32", "bfloat16", "float32"]
+    assert online[1]["device"] == "cpu"
     data = join_data_node(swarm)
     watcher = swarm.watch_status()  # starts while the data node does: it needs a few seconds too
     wait_data_online(swarm, data)
