@@ -7,12 +7,11 @@ from pathlib import Path
 
 import click
 
+from swarmnode.cli.log_options import logging_options
 from swarmnode.cli.swarm import (
     OWNER_HELP,
     PEERS_HELP,
     RUN_ID_HELP,
-    VERBOSE_HELP,
-    _logging,
     _owners_or_fail,
     _peers_or_fail,
     _run_async,
@@ -55,7 +54,7 @@ from swarmnode.runspec import RunVersionMismatch
     help="Also read each folder back and print its validation loss on the run's validation set.",
 )
 @click.option("--run-owner", "run_owners", multiple=True, envvar="SWARMNODE_RUN_OWNER", help=OWNER_HELP)
-@click.option("-v", "--verbose", is_flag=True, help=VERBOSE_HELP)
+@logging_options
 def export(
     initial_peers: str | None,
     run_id: str,
@@ -65,7 +64,6 @@ def export(
     keep: int,
     evaluate: bool,
     run_owners: tuple[str, ...],
-    verbose: bool,
 ) -> None:
     """Fetch every stage's weights from live nodes of the run and write a Hugging Face Llama folder
     (config.json, model.safetensors, generation_config.json, the tokenizer); prints one JSON line per
@@ -75,7 +73,6 @@ def export(
     from swarmnode.exporter import SNAPSHOT_PREFIX, ExportError, export_command
     from swarmnode.modeldir import ModelFolderError, check_out_folder
 
-    _logging(verbose)
     peers = _peers_or_fail(initial_peers)
     owners = _owners_or_fail(run_owners)
     if tokenizer is not None and not tokenizer.is_file():

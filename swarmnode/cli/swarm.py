@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +12,7 @@ import click
 
 from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.config_file import config_option
+from swarmnode.cli.log_options import logging_options
 from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ METRICS_PORT_HELP = (
     "Serve Prometheus metrics on this port (0: any free port, announced in a `metrics` event)."
 )
 METRICS_HOST_HELP = "Address the metrics endpoint listens on."
-VERBOSE_HELP = "Log at info level, hivemind's warnings included (default: warnings only)."
 DHT_TIMEOUT = "a DHT call got no answer within {seconds:g} s"  # `dht.DHT_CALL_TIMEOUT_S`
 
 
@@ -41,15 +40,6 @@ def _run_async(coro) -> int:  # type: ignore[no-untyped-def]
         return uvloop.run(coro)
     except ImportError:  # uvloop is a dependency; this only guards unusual platforms
         return asyncio.run(coro)
-
-
-def _logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not verbose:
-        logging.getLogger("hivemind").setLevel(logging.ERROR)
 
 
 def _peers_file_or_fail(path: Path | None) -> None:
@@ -158,7 +148,7 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option("--identity", type=click.Path(path_type=Path), default=None, help=IDENTITY_HELP)
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help=METRICS_PORT_HELP)
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help=METRICS_HOST_HELP)
-@click.option("-v", "--verbose", is_flag=True, help=VERBOSE_HELP)
+@logging_options
 def bootstrap(
     preset: str | None,
     run_file: Path | None,
@@ -182,7 +172,6 @@ def bootstrap(
     identity: Path | None,
     metrics_port: int | None,
     metrics_host: str,
-    verbose: bool,
 ) -> None:
     """Run the swarm's entry peer: publish the run definition and print the multiaddrs to join.
 
@@ -191,7 +180,6 @@ def bootstrap(
     from swarmnode.dht import DHT_CALL_TIMEOUT_S, DHTUnavailable
     from swarmnode.node.bootstrap import run_bootstrap
 
-    _logging(verbose)
     if preset is not None and run_file is not None:
         raise click.UsageError("give either --preset or --run, not both")
     _peers_file_or_fail(peers_file)
@@ -315,7 +303,7 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @device_option
 @dtype_option("This node's compute dtype (autocast; weights stay float32). Default: the run's.")
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
-@click.option("-v", "--verbose", is_flag=True, help=VERBOSE_HELP)
+@logging_options
 def join(
     stage: str,
     initial_peers: str | None,
@@ -336,7 +324,6 @@ def join(
     device: str,
     dtype: str | None,
     dump_recovery: Path | None,
-    verbose: bool,
 ) -> None:
     """Run one daemon serving a stage of the run the initial peers belong to."""
     from swarmnode.data import DataError
@@ -344,7 +331,6 @@ def join(
     from swarmnode.node.run import JoinOptions, run_join
     from swarmnode.node.seed import SeedError
 
-    _logging(verbose)
     stage_id = _stage(stage)
     device_or_fail(device)
     options = JoinOptions(
