@@ -45,9 +45,9 @@ def _load(ctx: click.Context, param: click.Parameter, path: Path | None) -> None
     section = raw.get(name, {})
     if not isinstance(section, dict):
         raise click.BadParameter(f"{path}: [{name}] must be a table", ctx, param)
-    mine = _option_keys(ctx.command)
+    mine = _options(ctx.command)
     shared = {key: value for key, value in raw.items() if key not in COMMANDS and not isinstance(value, dict)}
-    anyones = set().union(*(_option_keys(command) for command in _siblings(ctx)))
+    anyones = set().union(*(_options(command) for command in _siblings(ctx)))
     for key in shared:
         if _key(key) not in anyones:
             known = ", ".join(sorted(anyones))
@@ -63,11 +63,12 @@ def _key(key: str) -> str:
     return key.replace("_", "-")
 
 
-def _option_keys(command: click.Command | None) -> set[str]:
+def _options(command: click.Command | None) -> dict[str, click.Option]:
+    """A command's options a file may set, by their long names without dashes."""
     if command is None:
-        return set()
+        return {}
     return {
-        opt.lstrip("-")
+        opt.lstrip("-"): option
         for option in command.params
         if isinstance(option, click.Option) and option.name != "config" and not option.hidden
         for opt in option.opts
@@ -77,23 +78,17 @@ def _option_keys(command: click.Command | None) -> set[str]:
 
 def _siblings(ctx: click.Context) -> list[click.Command | None]:
     """The commands a file configures (this one alone when it runs outside the `swarmnode` group)."""
-    group = ctx.parent.command if ctx.parent is not None else None
-    if not isinstance(group, click.Group) or ctx.parent is None:
+    parent = ctx.parent
+    if parent is None or not isinstance(parent.command, click.Group):
         return [ctx.command]
-    return [group.get_command(ctx.parent, name) for name in COMMANDS]
+    return [parent.command.get_command(parent, name) for name in COMMANDS]
 
 
 def _defaults(
     command: click.Command, values: dict[str, Any], path: Path, ctx: click.Context, param: click.Parameter
 ) -> dict[str, Any]:
-    """`values` keyed by the command's parameter names; unknown keys and tables are errors."""
-    options = {
-        opt.lstrip("-"): option
-        for option in command.params
-        if isinstance(option, click.Option) and option.name != "config" and not option.hidden
-        for opt in option.opts
-        if opt.startswith("--")
-    }
+    """`values` keyed by the command's parameter names; unknown keys are errors."""
+    options = _options(command)
     defaults = {}
     for key, value in values.items():
         option = options.get(_key(key))

@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import PeerID
 from torch import Tensor
 
-from protocols.errors import ProtocolError, RemoteProtocolError
+from protocols.errors import ProtocolError
 from protocols.messages import (
     Error,
     ErrorCode,
@@ -37,6 +37,7 @@ from protocols.messages import (
 from swarmnode.dht import SwarmDHT
 from swarmnode.modeldir import check_shape, load_pieces, read_model_folder
 from swarmnode.node import state
+from swarmnode.node.checks import Rejected, decode_from_peer
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
 from swarmnode.pieces import build_piece
@@ -118,12 +119,12 @@ class SeedServer:
     async def serve(
         self, peer: PeerID, meta: bytes, tensors: list[Tensor]
     ) -> tuple[bytes, list[Tensor]] | Reply:
-        why = self._refusal(meta)
-        if why is not None:
-            code, reason = why
-            logger.info("initial weights refused to %s: %s", str(peer)[-8:], reason)
-            return encode(Error(code, bounded(reason))), []
-        request = decode(meta, StateRequest)
+        try:
+            request = decode_from_peer(meta, StateRequest, self.spec.run_id)
+            self._check(request)
+        except Rejected as rejected:
+            logger.info("initial weights refused to %s: %s", str(peer)[-8:], rejected.reason)
+            return encode(Error(rejected.code, bounded(rejected.reason))), []
         weights = self.seed.stages[request.stage]
         header = StateTransfer(
             self.spec.run_id, request.stage, request.parts, 0, 0, None, state.manifest(weights)
@@ -134,18 +135,14 @@ class SeedServer:
     def _release(self) -> None:
         self._serving -= 1
 
-    def _refusal(self, meta: bytes) -> tuple[ErrorCode, str] | None:
-        try:
-            request = decode(meta, StateRequest)
-        except RemoteProtocolError as error:
-            return ErrorCode.MALFORMED, error.reason
-        if request.run_id != self.spec.run_id:
-            return ErrorCode.WRONG_RUN, f"run {request.run_id!r} is not {self.spec.run_id!r}"
+    def _check(self, request: StateRequest) -> None:
         if request.parts != (StatePart.WEIGHTS,) or not 0 <= request.stage <= self.spec.stages:
-            return ErrorCode.WRONG_STAGE, "the bootstrap serves only the initial weights of the run's stages"
+            why = "the bootstrap serves only the initial weights of the run's stages"
+            raise Rejected(ErrorCode.WRONG_STAGE, why)
         if self._serving >= MAX_SEED_TRANSFERS:
-            return ErrorCode.BUSY, f"{MAX_SEED_TRANSFERS} transfers of the initial weights in progress"
-        return None
+            raise Rejected(
+                ErrorCode.BUSY, f"{MAX_SEED_TRANSFERS} transfers of the initial weights in progress"
+            )
 
 
 async def fetch_seed(
