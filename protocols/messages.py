@@ -281,7 +281,8 @@ class NodeRecord(Message):
 
     The protocol version travels in every encoding and `decode` rejects other versions. `loss` is set by
     data nodes only; `grad_norm` (before clipping) feeds CheckFree; `copies` says which CheckFree+ copies
-    this node holds; `addrs` are its multiaddrs. Decode records with `max_bytes=MAX_RECORD_BYTES`.
+    this node holds; `addrs` are its multiaddrs; `site` names its site in an emulated network
+    (`join --network`; None: no emulation). Decode records with `max_bytes=MAX_RECORD_BYTES`.
     """
 
     KIND: ClassVar[str] = "node_record"
@@ -298,6 +299,7 @@ class NodeRecord(Message):
     microbatches_lost: int = field(default=0, metadata=checked(count()))
     recovery: str | None = field(default=None, metadata=checked(optional(text(MAX_ID, 1))))
     recovery_seconds: float | None = field(default=None, metadata=checked(optional(number(0.0))))
+    site: str | None = field(default=None, metadata=checked(optional(text(MAX_ID, 1))))
 
 
 class Rpc(StrEnum):

@@ -14,6 +14,7 @@ from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.manifest import TensorSpec
 from protocols.messages import (
     KINDS,
+    MAX_ID,
     MAX_RECORD_BYTES,
     PROTOCOL_VERSION,
     Abort,
@@ -64,7 +65,7 @@ EXAMPLES = [
         queue_depth=2,
         addrs=("/ip4/127.0.0.1/tcp/1",),
     ),
-    NodeRecord(NodeState.JOINING, 4, 0, 0, grad_norm=1.7, copies=(StatePart.HEAD_COPY,)),
+    NodeRecord(NodeState.JOINING, 4, 0, 0, grad_norm=1.7, copies=(StatePart.HEAD_COPY,), site="Belgium"),
     StateTransfer("run-1", 2, (StatePart.WEIGHTS, StatePart.OPTIMIZER), 7, 1, 0.5, PHI, lr_factor=1.1),
     Route("run-1", 7, 3, (*PATH, PATH[0]), 1),
 ]
@@ -104,6 +105,7 @@ def test_records_fit_the_dht() -> None:
         2**63 - 1,
         (StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY),
         tuple("/ip4/127.0.0.1/tcp/1/p2p/" + "x" * 230 for _ in range(16)),
+        site="s" * MAX_ID,
     )
     assert decode(encode(biggest), NodeRecord, max_bytes=MAX_RECORD_BYTES) == biggest
 
