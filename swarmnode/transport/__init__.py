@@ -10,7 +10,8 @@ Messages of any size (far past hivemind's 4 MiB unary cap) travel as length-pref
 persistent libp2p streams, or over direct TCP streams negotiated through libp2p when `direct_host` is set
 (loopback and trusted networks). Tensors travel as hivemind.compression's NONE or FLOAT16; the wire format
 and its checks are in `_framing`; the `Transport` facade is in `_transport`, its settings in `_config`, the
-calling side's streams in `_pool`, the serving side in `_serving`, the direct TCP path in `_direct`.
+calling side's streams in `_pool`, the serving side in `_serving`, the direct TCP path in `_direct`, the
+emulated WAN links (`Transport(p2p, config, links=LinkEmulator(network, site))`) in `_links`.
 """
 
 from swarmnode.transport._config import TransportConfig, TransportStats
@@ -22,6 +23,7 @@ from swarmnode.transport._errors import (
     WireError,
 )
 from swarmnode.transport._framing import WIRE_DTYPES, Compression, Limits
+from swarmnode.transport._links import LinkEmulator
 from swarmnode.transport._serving import Handler, Reply
 from swarmnode.transport._transport import Transport
 
@@ -31,6 +33,7 @@ __all__ = [
     "Compression",
     "Handler",
     "Limits",
+    "LinkEmulator",
     "PeerUnreachable",
     "RemoteError",
     "Reply",

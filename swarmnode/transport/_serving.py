@@ -36,6 +36,7 @@ from swarmnode.transport._framing import (
     Request,
     encode_error,
     encode_response,
+    frame_size,
     parse_head,
     parse_prefix,
     prepare_writer,
@@ -44,6 +45,7 @@ from swarmnode.transport._framing import (
     write_frame,
 )
 from swarmnode.transport._intake import BodyReader, Dropped, InboundBudget, Refusal
+from swarmnode.transport._links import LinkEmulator
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +77,10 @@ class Server:
         handlers: Mapping[str, Handler],
         body_limits: Mapping[str, int],
         meta_limits: Mapping[str, int],
+        links: LinkEmulator | None = None,
     ) -> None:
         self._config = config
+        self._links = links  # replies to peers at emulated sites wait for their link
         self._stats = stats
         self._handlers = handlers
         self._body_limits = body_limits  # per method; others: the limits' max_message_bytes
@@ -231,6 +235,8 @@ class Server:
         ok = False
         try:
             async with asyncio.timeout_at(max(deadline, loop.time() + config.header_timeout)):
+                if self._links is not None:
+                    await self._links.hold(peer_id, frame_size(reply))
                 await write_frame(writer, reply)
             ok = True
         finally:

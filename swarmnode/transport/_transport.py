@@ -23,6 +23,7 @@ from swarmnode.transport._config import TransportConfig, TransportStats
 from swarmnode.transport._direct import GRANT_METHOD, DirectDialer, DirectListener
 from swarmnode.transport._errors import CallTimeout, TransportError
 from swarmnode.transport._framing import MAX_METHOD_CHARS, Compression, encode_request, frame_size
+from swarmnode.transport._links import LinkEmulator
 from swarmnode.transport._pool import Stream, StreamPool
 from swarmnode.transport._serving import Handler, Server
 
@@ -33,17 +34,25 @@ class Transport:
     Each call takes an idle stream to the peer (or opens one), writes one request frame, reads one reply
     frame and returns the stream to a small pool, so concurrent calls use separate streams and a large
     transfer never blocks a small one. Every wait is bounded by the call's timeout.
+
+    With `links`, requests and replies to peers at other sites of an emulated network are delayed and
+    paced as over those links (`_links`).
     """
 
-    def __init__(self, p2p: P2P, config: TransportConfig | None = None) -> None:
+    def __init__(
+        self, p2p: P2P, config: TransportConfig | None = None, links: LinkEmulator | None = None
+    ) -> None:
         self._p2p = p2p
         self._config = config or TransportConfig()
+        self._links = links
         self.stats = TransportStats()
         self._handlers: dict[str, Handler] = {}
         self._body_limits: dict[str, int] = {}
         self._meta_limits: dict[str, int] = {}
         self._pool = StreamPool(p2p, self._config, self.stats)
-        self._server = Server(self._config, self.stats, self._handlers, self._body_limits, self._meta_limits)
+        self._server = Server(
+            self._config, self.stats, self._handlers, self._body_limits, self._meta_limits, links
+        )
         self._dialer: DirectDialer | None = None
         self._listener: DirectListener | None = None
         if self._config.direct_host is not None:
@@ -54,6 +63,11 @@ class Transport:
     @property
     def peer_id(self) -> PeerID:
         return self._p2p.peer_id
+
+    @property
+    def links(self) -> LinkEmulator | None:
+        """The emulated links this transport sends over (None: none)."""
+        return self._links
 
     def register(
         self,
@@ -149,9 +163,12 @@ class Transport:
         if size > self._config.limits.max_message_bytes:
             raise ValueError(f"request of {size} bytes exceeds max_message_bytes")
         try:
-            async with asyncio.timeout(timeout), self._pool.slot(peer_id):
-                stream = await self._stream_to(peer_id)
-                result = await self._pool.exchange(stream, method, frame)
+            async with asyncio.timeout(timeout):
+                if self._links is not None:
+                    await self._links.hold(peer_id, size)  # before a stream is taken: it may wait long
+                async with self._pool.slot(peer_id):
+                    stream = await self._stream_to(peer_id)
+                    result = await self._pool.exchange(stream, method, frame)
         except TimeoutError:
             self.stats.calls_failed["CallTimeout"] += 1
             raise CallTimeout(f"{method} on {peer_id} timed out after {timeout:g} s") from None
