@@ -13,9 +13,11 @@ import click
 from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.config_file import config_option
 from swarmnode.cli.log_options import logging_options
+from swarmnode.cli.network_options import network_options
 from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 if TYPE_CHECKING:
+    from protocols.links import Network
     from swarmnode.node.seed import SeedWeights
 
 PEERS_HELP = "Multiaddrs (comma separated) or a file with one per line; also $SWARMNODE_INITIAL_PEERS."
@@ -304,6 +306,7 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @dtype_option("This node's compute dtype (autocast; weights stay float32). Default: the run's.")
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
 @logging_options
+@network_options
 def join(
     stage: str,
     initial_peers: str | None,
@@ -324,6 +327,8 @@ def join(
     device: str,
     dtype: str | None,
     dump_recovery: Path | None,
+    network: Network | None,
+    site: str | None,
 ) -> None:
     """Run one daemon serving a stage of the run the initial peers belong to."""
     from swarmnode.data import DataError
@@ -353,6 +358,8 @@ def join(
         metrics_host=metrics_host,
         device=device,
         dtype=dtype,
+        network=network,
+        site=site,
     )
     try:
         code = _run_async(run_join(options))

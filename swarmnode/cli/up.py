@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.config_file import config_option
+from swarmnode.cli.network_options import read_network
 from swarmnode.cli.options import preset_or_fail, stages_or_fail
 from swarmnode.launcher import (
     FAIL_RATE_UNIT,
@@ -128,6 +130,21 @@ class FiniteFloatRange(click.FloatRange):
     help="End the run as failed when no data node reports a new step for this many seconds, counted from "
     "the nodes' start (0: never).",
 )
+@click.option(
+    "--skip-ratio",
+    type=FiniteFloatRange(0.0, 1.0, max_open=True),
+    default=0.0,
+    show_default=True,
+    help="Share of the transformer stages a SkipPipe path may skip (0: every path visits every stage).",
+)
+@click.option(
+    "--network",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Emulate WAN links (a links file in the format of gcp12_links.json): each node sits at a site, by "
+    "the file's `placement` of node names (data1, s2r1, ..) or round robin, and what it sends to a node "
+    "at another site is delayed and paced as over their link.",
+)
 @device_option
 @dtype_option("The run's compute dtype (autocast; weights stay float32).", default="float32")
 def up(
@@ -146,6 +163,8 @@ def up(
     run_id: str,
     timeout: float | None,
     stall_timeout: float,
+    skip_ratio: float,
+    network: Path | None,
     device: str,
     dtype: str,
 ) -> None:
@@ -164,7 +183,9 @@ def up(
     for kill in kills:
         _check_kill(kill, n_stages, steps)
     try:  # the run the bootstrap will publish: fail here, before any process starts
-        RunSpec.for_preset(preset, run_id=run_id, stages=n_stages, total_steps=steps, seed=seed)
+        RunSpec.for_preset(
+            preset, run_id=run_id, stages=n_stages, total_steps=steps, seed=seed, skip_ratio=skip_ratio
+        )
     except RunSpecError as error:
         raise click.UsageError(str(error)) from None
     config = SwarmConfig(
@@ -184,7 +205,10 @@ def up(
         out=out,
         timeout=timeout,
         stall_timeout=stall_timeout or None,
+        skip_ratio=skip_ratio,
     )
+    if network is not None:
+        config = replace(config, network=network, placement=_placement_or_fail(network, config))
     _out_or_fail(out)
     result = LocalSwarm(config).run()  # prints progress and its outcome to stderr
     click.echo(summary(result))
@@ -206,6 +230,16 @@ def _check_kill(kill: StageKill, n_stages: int, steps: int) -> None:
             f"{kill}: step {kill.step} is not before the last step (--steps {steps}), so it would never fire",
             param_hint="--kill",
         )
+
+
+def _placement_or_fail(path: Path, config: SwarmConfig) -> dict[str, str]:
+    """Each initial node's site in the links file at `path`; a one-line usage error if it cannot be."""
+    from protocols.errors import LocalProtocolError
+
+    try:
+        return read_network(path).place(config.initial_names())
+    except LocalProtocolError as error:
+        raise click.BadParameter(f"{path}: {error.reason}", param_hint="--network") from None
 
 
 def _out_or_fail(out: Path) -> None:

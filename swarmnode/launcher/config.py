@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from swarmnode.launcher.kill_plan import StageKill
@@ -20,6 +22,8 @@ class SwarmConfig:
 
     `stall_timeout` (None: no bound) ends the run as failed when no data node reports a new step for that many
     seconds. `command` starts the swarmnode CLI in a child; `observe` starts the DHT observer for node states.
+    `network` (a links file) emulates WAN links between the nodes, each at its `placement` site (launcher
+    node name -> site, every initial node; `protocols.links.Network.place`).
     """
 
     preset: str = "tiny"
@@ -38,6 +42,9 @@ class SwarmConfig:
     out: Path = Path("swarm-out")
     timeout: float | None = None
     stall_timeout: float | None = STALL_TIMEOUT_S
+    skip_ratio: float = 0.0  # the run's (`bootstrap --skip-ratio`)
+    network: Path | None = None
+    placement: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     command: tuple[str, ...] = (sys.executable, "-m", "swarmnode")
     observe: bool = True
 
@@ -53,6 +60,14 @@ class SwarmConfig:
     def initial_nodes(self) -> int:
         return self.data_nodes + self.stages * self.replicas
 
+    def initial_names(self) -> list[str]:
+        """The launcher's names of the initial nodes: `data1`.., then `s1r1`, `s1r2`, .., `s2r1`, .."""
+        return [f"data{i + 1}" for i in range(self.data_nodes)] + [
+            f"s{stage}r{replica}"
+            for stage in range(1, self.stages + 1)
+            for replica in range(1, self.replicas + 1)
+        ]
+
     def bootstrap_argv(self) -> list[str]:
         """The entry peer, on loopback, on any free port, writing its multiaddrs to `peers_file`."""
         return [
@@ -60,10 +75,12 @@ class SwarmConfig:
             "--run-id", self.run_id, "--host", "127.0.0.1", "--port", "0",
             "--peers-file", str(self.peers_file), "--steps", str(self.steps), "--seed", str(self.seed),
             "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus", "--dtype", self.dtype,
+            "--skip-ratio", str(self.skip_ratio),
         ]  # fmt: skip
 
-    def join_argv(self, stage: int | None, shard: str | None) -> list[str]:
-        """A daemon of `stage` (None: `--stage auto`); `shard` (I/K): the data it reads as a data node.
+    def join_argv(self, stage: int | None, shard: str | None, site: str | None = None) -> list[str]:
+        """A daemon of `stage` (None: `--stage auto`); `shard` (I/K): the data it reads as a data node;
+        `site`: where it sits in the emulated `network` (ignored without one).
 
         Torch threads are split evenly between the nodes, so a small machine is not oversubscribed. Data nodes
         linger after the last step, so that the final model can be exported (`export_argv`). Every node
@@ -75,6 +92,7 @@ class SwarmConfig:
             "--initial-peers", str(self.peers_file), "--run-id", self.run_id, "--threads", str(threads),
             "--linger", "--device", self.device, "--metrics-port", "0",
             *(["--shard", shard] if shard is not None else []),
+            *(["--network", str(self.network.resolve()), "--site", site] if self.network and site else []),
         ]  # fmt: skip
 
     def export_argv(self) -> list[str]:
@@ -113,6 +131,8 @@ class SwarmConfig:
             "run_id": self.run_id,
             "timeout": self.timeout,
             "stall_timeout": self.stall_timeout,
+            "skip_ratio": self.skip_ratio,
+            "network": None if self.network is None else str(self.network),
         }
 
 

@@ -128,6 +128,8 @@ class LocalSwarm:
         for stage in range(1, config.stages + 1):
             for replica in range(1, config.replicas + 1):
                 self._spawn(f"s{stage}r{replica}", stage, None)
+        if config.network is not None:
+            self._display.event(f"emulated links of {config.network}: {self._sites_text()}")
         self._display.event(
             f"started {config.data_nodes} data node(s) and {config.stages} stage(s) x {config.replicas} "
             f"replica(s); logs in {self.logs}"
@@ -206,11 +208,19 @@ class LocalSwarm:
         stall = self.config.stall_timeout
         return stall is not None and now - self._last_step_at >= stall
 
-    def _spawn(self, name: str, stage: int | None, shard: str | None) -> None:
-        process = ChildProcess(name, self.config.join_argv(stage, shard), self.logs, self._env)
-        self._nodes.append(
-            LaunchedNode(process, stage, shard, LineTail(process.stdout_path), initial=stage is not None)
-        )
+    def _spawn(self, name: str, stage: int | None, shard: str | None, site: str | None = None) -> None:
+        """Start a daemon; an initial node sits at its placement's site, a respawned one at `site`."""
+        site = self.config.placement.get(name, site)
+        process = ChildProcess(name, self.config.join_argv(stage, shard, site), self.logs, self._env)
+        tail = LineTail(process.stdout_path)
+        self._nodes.append(LaunchedNode(process, stage, shard, tail, initial=stage is not None, site=site))
+
+    def _sites_text(self) -> str:
+        """Which nodes sit at which site, for a progress line."""
+        at: dict[str, list[str]] = {}
+        for node in self._nodes:
+            at.setdefault(node.site or "?", []).append(node.process.name)
+        return "; ".join(f"{site}: {', '.join(names)}" for site, names in at.items())
 
     def _read_events(self) -> None:
         for node in self._nodes:
@@ -330,7 +340,7 @@ class LocalSwarm:
         for replaced in due:
             self._spawned += 1
             name = f"spot{self._spawned}"
-            self._spawn(name, None, replaced.shard)
+            self._spawn(name, None, replaced.shard, replaced.site)
             self._display.event(f"{name} starts as `join --stage auto` in place of {replaced.process.name}")
 
     @property

@@ -25,6 +25,7 @@ class LaunchedNode:
     killed: bool = False
     exited: bool = False
     metrics_url: str | None = None  # where its Prometheus metrics are served
+    site: str | None = None  # its site in the emulated network (`up --network`)
 
     @property
     def alive(self) -> bool:

@@ -58,7 +58,7 @@ from swarmnode.pieces import build_piece
 from swarmnode.precision import Precision, parse_dtype, wire_dtypes
 from swarmnode.presets import get_preset
 from swarmnode.runspec import RunSpec
-from swarmnode.transport import Compression, Reply, Transport, TransportConfig
+from swarmnode.transport import Compression, LinkEmulator, Reply, Transport, TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class Node:
         self.microbatches_served = 0  # backward passes completed here
         self.tokens_processed = 0
         self.metrics: DaemonMetrics | None = None  # `--metrics-port`: told of rejections and hops
+        self.links: LinkEmulator | None = None  # `--network`: emulated links to peers at other sites
         self.last_loss: float | None = None
         self.recovery: tuple[str, float] | None = None
         self.rng = random.Random(f"{spec.seed}/{self.me}")
@@ -125,7 +126,7 @@ class Node:
 
     async def start(self) -> None:
         p2p = await self.dht.replicate_p2p()
-        self.transport = Transport(p2p, self.transport_config)
+        self.transport = Transport(p2p, self.transport_config, self.links)
         self.router = Router(
             self.transport, self.me, self.snapshot_online, self.spec.hop_timeout_s, self.compression, self.rng
         )
@@ -220,6 +221,10 @@ class Node:
 
     async def refresh_snapshot(self) -> None:
         self.snapshot = Snapshot(await self.dht.read_swarm(self.spec.stages))
+        if self.links is not None:
+            self.links.set_sites(
+                {p.peer_id: p.record.site for ps in self.snapshot.stages.values() for p in ps}
+            )
 
     def record(self) -> NodeRecord:
         busy = self.compute.busy_seconds
@@ -236,6 +241,7 @@ class Node:
             microbatches_lost=self.microbatches_lost,
             recovery=self.recovery[0] if self.recovery else None,
             recovery_seconds=self.recovery[1] if self.recovery else None,
+            site=self.links.site if self.links else None,
         )
 
     async def publish(self) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from protocols.links import Network
 from protocols.messages import NodeRecord, NodeState
 from swarmnode.data import check_splits, load_corpus
 from swarmnode.dht import SwarmDHT
@@ -26,7 +27,7 @@ from swarmnode.node.stage import StageNode
 from swarmnode.precision import Precision
 from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
-from swarmnode.transport import Transport
+from swarmnode.transport import LinkEmulator, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class JoinOptions:
     metrics_host: str = "127.0.0.1"
     device: str = "auto"  # `precision.resolve_device`
     dtype: str | None = None  # this node's compute dtype; None: the run's
+    network: Network | None = None  # emulated links (`--network`): sends to peers at other sites wait
+    site: str | None = None  # this node's site in `network`, announced in its records
 
 
 def choose_stage(live: dict[int, list[PeerRecord]]) -> int:
@@ -162,10 +165,12 @@ async def run_join(options: JoinOptions) -> int:
         emit("joining", phase="stage", stage=stage, seconds=round(time.monotonic() - started, 3))
         if not 0 <= stage <= spec.stages:
             raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
+        links = LinkEmulator(options.network, options.site) if options.network and options.site else None
         next_stage: int | None = stage
         while next_stage is not None:
             node = await _build_announced(options, spec, dht, next_stage)
             node.metrics = metrics
+            node.links = links
             if metrics is not None:
                 metrics.attach(node)
             watchdog = asyncio.create_task(_watch_dht(dht, node))
@@ -213,7 +218,9 @@ async def _build_announced(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, s
     building = asyncio.ensure_future(asyncio.to_thread(_build_node, options, spec, dht, stage))
     while True:
         try:
-            await dht.publish(NodeRecord(NodeState.RECOVERING, stage, 0, 0), spec.record_ttl_s)
+            await dht.publish(
+                NodeRecord(NodeState.RECOVERING, stage, 0, 0, site=options.site), spec.record_ttl_s
+            )
         except TimeoutError:
             logger.warning("the DHT did not store this node's record in time")
         done, _ = await asyncio.wait({building}, timeout=spec.record_period_s)
