@@ -32,12 +32,14 @@ class Online:
 
 @dataclass(frozen=True)
 class Step:
-    """A data node finished optimizer step `step` (1-based); `loss` is None when every microbatch was lost."""
+    """A data node finished optimizer step `step` (1-based); `loss` is None when every microbatch was lost.
+    `seconds`: how long its iteration took (None if the line did not say)."""
 
     step: int
     loss: float | None
     tokens: int
     time: float
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,10 @@ def parse_event(line: str, received: float) -> Event | None:
                 _number(raw.get("loss")),
             )
             if step is not None and tokens is not None:
-                return Step(step, loss, tokens, when)
+                seconds = _number(raw.get("seconds"))
+                return Step(
+                    step, loss, tokens, when, seconds if seconds is not None and seconds >= 0 else None
+                )
         case "validation":
             step, val_loss = _count(raw.get("step")), _number(raw.get("val_loss"))
             if step is not None and val_loss is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TextIO
 
+from protocols.errors import LocalProtocolError
 from swarmnode.launcher.config import SwarmConfig, read_peers
 from swarmnode.launcher.daemon_events import (
     Finished,
@@ -35,9 +36,13 @@ from swarmnode.launcher.export import describe, export_model
 from swarmnode.launcher.kill_plan import Kill, KillPlan, RandomKills
 from swarmnode.launcher.nodes import (
     LaunchedNode,
+    daemon_entry,
     exit_message,
+    network_entry,
+    read_node_metrics,
     report_entry,
     short_peer,
+    sites_text,
     stage_counts,
     stage_name,
 )
@@ -45,6 +50,7 @@ from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.procs import ChildProcess, LineTail, StopSignals, stop_all
 from swarmnode.launcher.record import RecoveryRecord, RunRecord
 from swarmnode.launcher.report import build_report, plot_loss, write_report
+from swarmnode.launcher.simulated import swarm_simulated_seconds
 
 TICK_S = 0.2  # supervision loop period
 BOOTSTRAP_TIMEOUT_S = 180.0  # the bootstrap's peers file must appear within this
@@ -96,6 +102,7 @@ class LocalSwarm:
         self._last_step = 0  # the furthest step seen, and since when (a monotonic time): the stall bound
         self._last_step_at = self._started
         self._model: dict[str, Any] | None = None  # the report's `model` entry, once exported
+        self._final: list[LaunchedNode] = []  # the daemons online when the swarm was ended
 
     def run(self) -> SwarmResult:
         """Run the swarm, end every child, write the report; never leaves a child process behind."""
@@ -129,7 +136,7 @@ class LocalSwarm:
             for replica in range(1, config.replicas + 1):
                 self._spawn(f"s{stage}r{replica}", stage, None)
         if config.network is not None:
-            self._display.event(f"emulated links of {config.network}: {self._sites_text()}")
+            self._display.event(f"emulated links of {config.network}: {sites_text(self._nodes)}")
         self._display.event(
             f"started {config.data_nodes} data node(s) and {config.stages} stage(s) x {config.replicas} "
             f"replica(s); logs in {self.logs}"
@@ -214,13 +221,6 @@ class LocalSwarm:
         process = ChildProcess(name, self.config.join_argv(stage, shard, site), self.logs, self._env)
         tail = LineTail(process.stdout_path)
         self._nodes.append(LaunchedNode(process, stage, shard, tail, initial=stage is not None, site=site))
-
-    def _sites_text(self) -> str:
-        """Which nodes sit at which site, for a progress line."""
-        at: dict[str, list[str]] = {}
-        for node in self._nodes:
-            at.setdefault(node.site or "?", []).append(node.process.name)
-        return "; ".join(f"{site}: {', '.join(names)}" for site, names in at.items())
 
     def _read_events(self) -> None:
         for node in self._nodes:
@@ -317,6 +317,7 @@ class LocalSwarm:
         victims = live if kill.whole_stage else [self._plan.random_kills.choose(live)]
         now = time.monotonic()
         for node in victims:
+            read_node_metrics(node)  # what it served, before it goes
             node.process.kill()
             node.killed = node.exited = True
             name = node.process.name
@@ -371,6 +372,10 @@ class LocalSwarm:
 
     def _shutdown(self, stop: StopSignals) -> None:
         """End every child, whatever the display does; a second stop signal cuts the grace period short."""
+        if not stop.received:
+            for node in self._nodes:
+                read_node_metrics(node)
+        self._final = [node for node in self._nodes if node.alive and node.joined]
         children = [node.process for node in self._nodes] + self._helpers
         running = sum(child.poll() is None for child in children)
         try:
@@ -386,15 +391,23 @@ class LocalSwarm:
             )
         self._read_events()
 
+    def _simulated(self) -> float | None:
+        try:
+            return swarm_simulated_seconds(self.config, self._final)
+        except (LocalProtocolError, OSError) as error:
+            self._display.event(f"warning: no simulated iteration time: {error}")
+            return None
+
     def _write_report(self, outcome: RunOutcome, message: str) -> dict[str, Any]:
         config, record = self.config, self._record
         nodes = [report_entry(child, None, None, killed=False) for child in self._helpers]
-        nodes += [
-            report_entry(node.process, node.stage, node.peer_id, node.killed, node.metrics_url)
-            for node in self._nodes
-        ]
+        nodes += [daemon_entry(node) for node in self._nodes]
         wall = time.monotonic() - self._started
-        report = build_report(record, outcome.value, message, wall, config.settings(), nodes, self._model)
+        network = None if config.network is None else network_entry(config.network, self._nodes)
+        settings, simulated = config.settings(), self._simulated()
+        report = build_report(
+            record, outcome.value, message, wall, settings, nodes, self._model, simulated, network
+        )
         write_report(self.out / "report.json", report)
         title = (
             f"swarmnode up: {config.preset}, {config.data_nodes} data nodes, {config.stages} stages x "

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from swarmnode.launcher.display import StageCount
 from swarmnode.launcher.procs import ChildProcess, LineTail
+from swarmnode.launcher.scrape import read_metrics
+
+SERVED_METRIC = "swarmnode_microbatches_served_total"  # `node.metrics`
+RATE_METRIC = "swarmnode_tokens_per_second"
 
 
 @dataclass
@@ -26,6 +31,8 @@ class LaunchedNode:
     exited: bool = False
     metrics_url: str | None = None  # where its Prometheus metrics are served
     site: str | None = None  # its site in the emulated network (`up --network`)
+    served: int | None = None  # microbatches it completed, from its metrics when last read
+    tokens_per_second: float | None = None  # per busy second of its compute, from its metrics likewise
 
     @property
     def alive(self) -> bool:
@@ -63,6 +70,38 @@ def report_entry(
         "killed": killed,
         "metrics_url": metrics_url,
     }
+
+
+def daemon_entry(node: LaunchedNode) -> dict[str, Any]:
+    """A daemon as the report lists it: `report_entry`, its site and the microbatches it served (null when
+    its metrics were never read: a node that crashed, or was killed before they were)."""
+    entry = report_entry(node.process, node.stage, node.peer_id, node.killed, node.metrics_url)
+    return {**entry, "site": node.site, "microbatches_served": node.served}
+
+
+def network_entry(path: Path, nodes: Iterable[LaunchedNode]) -> dict[str, Any]:
+    """The report's `network`: the links file and each daemon's site, by name."""
+    return {"file": str(path), "placement": {node.process.name: node.site for node in nodes}}
+
+
+def sites_text(nodes: Iterable[LaunchedNode]) -> str:
+    """Which nodes sit at which site, for a progress line."""
+    at: dict[str, list[str]] = {}
+    for node in nodes:
+        at.setdefault(node.site or "?", []).append(node.process.name)
+    return "; ".join(f"{site}: {', '.join(names)}" for site, names in at.items())
+
+
+def read_node_metrics(node: LaunchedNode) -> None:
+    """Note a live daemon's microbatches served and throughput from its metrics page, if it answers."""
+    if node.metrics_url is None or not node.alive:
+        return
+    samples = read_metrics(node.metrics_url)
+    served, rate = samples.get(SERVED_METRIC), samples.get(RATE_METRIC)
+    if served is not None:
+        node.served = int(served)
+    if rate is not None and rate > 0:
+        node.tokens_per_second = rate
 
 
 def exit_message(what: str, process: ChildProcess) -> str:

@@ -87,6 +87,7 @@ class RunRecord:
         self._vals: dict[int, list[float]] = defaultdict(list)
         self._val_times: dict[int, float] = {}
         self._tokens: list[tuple[float, int]] = []
+        self.iteration_seconds: list[float] = []  # the data nodes' iterations that ended in a step
         self.outer_steps: dict[int, OuterSteps] = defaultdict(OuterSteps)
 
     @property
@@ -101,6 +102,8 @@ class RunRecord:
                 seconds = event.time - self.started
                 self._step_times.setdefault(event.step, seconds)
                 self._tokens.append((seconds, event.tokens))
+                if event.seconds is not None:
+                    self.iteration_seconds.append(event.seconds)
                 if event.loss is not None:
                     self._losses[event.step].append(event.loss)
             case Validation():

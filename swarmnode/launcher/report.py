@@ -20,9 +20,12 @@ def build_report(
     settings: Mapping[str, Any],
     nodes: Sequence[Mapping[str, Any]],
     model: Mapping[str, Any] | None = None,
+    simulated_s: float | None = None,
+    network: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report as a JSON-ready dict. Times named `at_seconds` count from the launcher's start. `model`: the
-    exported model (`launcher.export`), None when the run did not complete."""
+    exported model (`launcher.export`), None when the run did not complete. `simulated_s`: the simulator's
+    iteration time for the swarm (`launcher.simulated`); `network`: the emulated links file and placement."""
     by_method: dict[str, list[float]] = defaultdict(list)
     for recovery in record.recoveries:
         by_method[recovery.method].append(recovery.duration)
@@ -36,6 +39,9 @@ def build_report(
         "initial_val_loss": record.initial_val_loss,
         "val_loss": record.val_loss,
         "tokens_per_second": record.tokens_per_second(),
+        "iteration_seconds": iteration_seconds(record.iteration_seconds, simulated_s),
+        "skip_ratio": settings.get("skip_ratio", 0.0),
+        "network": None if network is None else dict(network),
         "model": None if model is None else dict(model),
         "failures": [
             {
@@ -88,6 +94,19 @@ def build_report(
             {"step": point.step, "val_loss": point.loss, "at_seconds": round(point.seconds, 3)}
             for point in record.val_curve()
         ],
+    }
+
+
+def iteration_seconds(seconds: Sequence[float], simulated: float | None) -> dict[str, Any]:
+    """Median and 90th percentile of the data nodes' iteration times (None without any), their count, and
+    the simulator's prediction."""
+    ordered = sorted(seconds)
+    p90 = statistics.quantiles(ordered, n=10, method="inclusive")[-1] if len(ordered) > 1 else None
+    return {
+        "median": round(statistics.median(ordered), 4) if ordered else None,
+        "p90": round(p90 if p90 is not None else ordered[0], 4) if ordered else None,
+        "count": len(ordered),
+        "simulated": None if simulated is None else round(simulated, 4),
     }
 
 

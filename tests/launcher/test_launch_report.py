@@ -44,6 +44,11 @@ def test_parse_event_reads_the_daemons_lines() -> None:
     assert parse_event(line("online", 1, stage=2, peer_id="12D3KooWx"), 0) == online
     assert parse_event(line("step", 2, step=12, loss=5.1, tokens=4096), 0) == Step(12, 5.1, 4096, START + 2)
     assert parse_event(line("step", 2, step=12, loss=None, tokens=0), 0) == Step(12, None, 0, START + 2)
+    timed = Step(3, 5.0, 8, START + 2, seconds=1.25)
+    assert parse_event(line("step", 2, step=3, loss=5.0, tokens=8, seconds=1.25), 0) == timed
+    assert parse_event(line("step", 2, step=3, loss=5.0, tokens=8, seconds=-1), 0) == Step(
+        3, 5.0, 8, START + 2
+    )
     assert parse_event(line("validation", 3, step=0, val_loss=8.3), 0) == Validation(0, 8.3, START + 3)
     recovered = line("recovered", 4, stage=2, method="checkfree", seconds=2.1, peer_id="p")
     assert parse_event(recovered, 0) == Recovered(2, "checkfree", 2.1, START + 4)
@@ -81,9 +86,8 @@ def recorded_run() -> RunRecord:
     lines = [line("validation", 1.0, step=0, val_loss=8.4)]
     for step in range(1, 41):
         for skew in (0.0, 0.3):  # two data nodes
-            lines.append(
-                line("step", 2.0 + step + skew, step=step, loss=8.0 - 0.05 * step + skew, tokens=1024)
-            )
+            loss, seconds = 8.0 - 0.05 * step + skew, 1.0 + step % 10 / 10  # 1.0 .. 1.9 s
+            lines.append(line("step", 2.0 + step + skew, step=step, loss=loss, tokens=1024, seconds=seconds))
         if step % 20 == 0:
             lines.append(line("validation", 2.5 + step, step=step, val_loss=8.0 - 0.05 * step))
     lines += [
@@ -134,11 +138,21 @@ def test_record_figures() -> None:
 
 def test_report_json_and_plot(tmp_path: Path) -> None:
     record = recorded_run()
-    settings = {"preset": "tiny", "stages": 3, "fail_rate": 0.0}
+    settings = {"preset": "tiny", "stages": 3, "fail_rate": 0.0, "skip_ratio": 0.34}
     nodes = [
-        {"name": "s2r1", "pid": 123, "stage": 2, "peer_id": "12D3KooWdead", "exit_code": -9, "killed": True}
+        {
+            "name": "s2r1",
+            "pid": 123,
+            "stage": 2,
+            "peer_id": "12D3KooWdead",
+            "exit_code": -9,
+            "killed": True,
+            "site": "Japan",
+            "microbatches_served": 37,
+        }
     ]
-    report = build_report(record, "completed", "40 steps done", 45.0, settings, nodes)
+    network = {"file": "links.json", "placement": {"s2r1": "Japan"}}
+    report = build_report(record, "completed", "40 steps done", 45.0, settings, nodes, None, 1.23456, network)
     write_report(tmp_path / "report.json", report)
     plot_loss(tmp_path / "loss.png", record, "test run")
 
@@ -176,6 +190,10 @@ def test_report_json_and_plot(tmp_path: Path) -> None:
         "1": {"rounds": 8, "paired": 6, "alone": 2, "unmatched": 0, "paired_share": 0.75},
     }
     assert saved["settings"] == settings and saved["nodes"] == nodes
+    # 80 iterations, 8 of each of 1.0, 1.1, .., 1.9 s: the median is 1.45 s; the 90th percentile lies a
+    # tenth of the way from the 72nd (1.8 s) to the 73rd (1.9 s)
+    assert saved["iteration_seconds"] == {"median": 1.45, "p90": 1.81, "count": 80, "simulated": 1.2346}
+    assert saved["skip_ratio"] == 0.34 and saved["network"] == network
     assert len(saved["loss_curve"]) == 40 and len(saved["val_curve"]) == 3
     assert not (tmp_path / "report.json.partial").exists()
 
