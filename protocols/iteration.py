@@ -165,10 +165,10 @@ class DataIteration:
         thread, right before the backward pass through the embedding)."""
         return self._in(microbatch, MicrobatchState.GRADIENT)
 
-    def may_abort(self, peer: str, microbatch: int) -> bool:
+    def may_abort(self, peer: str, origin: str, iteration: int, microbatch: int) -> bool:
         """An abort from a peer on the microbatch's path or tried as its first hop; for a microbatch this
         iteration does not have, anyone's (it changes nothing)."""
-        mb = self._microbatches.get(microbatch)
+        mb = self._microbatches.get(microbatch) if (origin, iteration) == (self.me, self.number) else None
         return mb is None or peer in mb.path or peer in mb.tries
 
     # ---- events ------------------------------------------------------------------------------------------

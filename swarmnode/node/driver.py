@@ -4,19 +4,50 @@ Each iteration it plans paths (SkipPipe, `node.planning`), embeds its microbatch
 way, computes the loss when the activations come back, sends the gradients back along the same path, and
 steps `E` and `E'` once every microbatch has finished or is counted lost. A microbatch that does not return
 within the iteration timeout is aborted everywhere and counted; nothing waits longer than that.
+
+What happens to each microbatch is decided by `protocols.iteration.DataIteration`; this driver feeds it
+events (its own progress, peers' messages, the clock, ping answers) and carries out the actions it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Iterator
 from functools import partial
 
 from torch import Tensor
 
-from protocols.messages import Ack, Backward, ErrorCode, Forward, Route, encode
+from protocols.errors import LocalProtocolError
+from protocols.iteration import DataIteration
+from protocols.iteration_events import (
+    AbortPath,
+    AbortReceived,
+    Action,
+    ApplyGradient,
+    BackwardFailed,
+    Closed,
+    ComputeLoss,
+    Drop,
+    GradientApplied,
+    GradientReturned,
+    HeadFailed,
+    LossComputed,
+    PeersChecked,
+    Ping,
+    Returned,
+    RouteNotice,
+    Send,
+    SendGradient,
+    Sent,
+    Start,
+    Suspect,
+    Tick,
+    Unsent,
+)
+from protocols.messages import MAX_NONCE, Ack, Backward, ErrorCode, Forward, Route, encode
 from protocols.stepbook import MicrobatchKey
 from swarmnode.data import Corpus, batches, data_node_tokens, validation_set
 from swarmnode.dht import SwarmDHT
@@ -24,7 +55,7 @@ from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
 from swarmnode.node.daemon import Node
 from swarmnode.node.events import emit
-from swarmnode.node.iteration import Iteration, Microbatch, stale
+from swarmnode.node.iteration import Running, running
 from swarmnode.node.liveness import answering
 from swarmnode.node.planning import PlannedMicrobatch, plan_iteration
 from swarmnode.node.worker import DataWorker
@@ -33,8 +64,7 @@ from swarmnode.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
 
-WATCH_S = 1.0  # how often a waiting data node checks that the peers on pending paths are alive
-DEAD_GRACE_S = 2.0  # how long a microbatch may stay pending after a peer on its path was found dead
+WATCH_S = 1.0  # how often a waiting data node pings the peers on pending paths (`protocols.iteration`)
 EVALUATION_BASE = 2**62  # iteration numbers of validation passes, apart from training iterations
 CATCH_UP_TICKS = 8  # a data node further behind the swarm clock than this jumps to it (joined late, was away)
 
@@ -60,7 +90,7 @@ class DataNode(Node):
         self.eval_every = eval_every
         self.iteration = 0
         self._evaluations = 0
-        self._current: Iteration | None = None
+        self._current: Running | None = None  # the latest iteration (closed ones refuse everything)
         self.val_loss: float | None = None
         self.routes_reported = 0  # re-routes that stage nodes reported (`Route`)
 
@@ -166,116 +196,142 @@ class DataNode(Node):
     async def _run_iteration(
         self, planned: list[PlannedMicrobatch], data: list[tuple[Tensor, Tensor]], evaluation: bool = False
     ) -> tuple[list[float], int]:
+        """Run one iteration (`protocols.iteration.DataIteration` decides; this carries out its actions):
+        the losses of the microbatches done, and how many were lost."""
         if evaluation:
             self._evaluations += 1
-        number = EVALUATION_BASE + self._evaluations if evaluation else self.iteration
-        iteration = Iteration(number, evaluation=evaluation)
-        self._current = iteration
-        for plan, (_, targets) in zip(planned, data, strict=True):
-            iteration.microbatches[plan.microbatch] = Microbatch(plan, targets, plan.path)
-        launches = zip(iteration.microbatches.values(), data, strict=True)
-        await asyncio.gather(*(self._launch(iteration, mb, inputs) for mb, (inputs, _) in launches))
-        await self._await(iteration)
-        iteration.closed = True
-        self._current = None  # from here on, late work of this iteration is refused as stale
-        lost = [mb for mb in iteration.microbatches.values() if mb.loss is None or not mb.done]
-        losses = [mb.loss for mb in iteration.microbatches.values() if mb.done and mb.loss is not None]
-        for mb in lost:
-            key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
-            await self.compute.submit(Priority.BACKWARD, lambda key=key: self.worker.drop(key))
-            await self._abort_path(iteration, mb, "iteration timed out")
-        if lost and not evaluation:
-            self.microbatches_lost += len(lost)
-            emit("microbatch_lost", step=self.optimizer.step_count, count=len(lost))
-        return losses, len(lost)
-
-    async def _await(self, iteration: Iteration) -> None:
-        """Wait for every microbatch, at most `iteration_timeout_s`. Every `WATCH_S` the peers on the paths of
-        pending microbatches are pinged: a microbatch still pending `DEAD_GRACE_S` after a peer on its path
-        was found dead is lost, so a node that dies holding a microbatch stalls the iteration for seconds,
-        not for the whole timeout; microbatches re-routed around it (`_on_route`) come back."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.spec.iteration_timeout_s
-        dead_since: dict[str, float] = {}
-        while not iteration.finished.is_set():
+        machine = DataIteration(
+            me=self.me,
+            number=EVALUATION_BASE + self._evaluations if evaluation else self.iteration,
+            paths={plan.microbatch: plan.path for plan in planned},
+            nonces={plan.microbatch: 1 + secrets.randbelow(MAX_NONCE) for plan in planned},  # unguessable
+            timeout_s=self.spec.iteration_timeout_s,
+            evaluation=evaluation,
+        )
+        run = Running(
+            machine, {plan.microbatch: targets for plan, (_, targets) in zip(planned, data, strict=True)}
+        )
+        self._current = run
+        plans = {plan.microbatch: (plan, inputs) for plan, (inputs, _) in zip(planned, data, strict=True)}
+        sends = [action for action in machine.handle(Start(time.monotonic())) if isinstance(action, Send)]
+        await asyncio.gather(*(self._launch(run, send, *plans[send.microbatch]) for send in sends))
+        while not run.closed.is_set():
             try:
-                await asyncio.wait_for(iteration.finished.wait(), WATCH_S)
-                return
+                await asyncio.wait_for(run.closed.wait(), WATCH_S)
             except TimeoutError:
-                pass
-            if loop.time() > deadline:
-                logger.warning("iteration %d timed out", iteration.number)
-                return
-            pending = [mb for mb in iteration.microbatches.values() if not mb.done]
-            peers = sorted({peer for mb in pending for peer in mb.path if peer != self.me})
-            now = loop.time()
-            for peer in set(peers) - set(await answering(self.transport, peers)):
-                if peer not in dead_since:
-                    dead_since[peer] = now
-                    self.router.suspect(peer)
-            # a microbatch upstream of a dead peer is re-routed around it within milliseconds, and the
-            # `route` notice takes the peer off its path; one whose path still has the peer DEAD_GRACE_S
-            # after it was found dead was held by that peer: it is lost
-            dead = {peer for peer, since in dead_since.items() if now - since >= DEAD_GRACE_S}
-            for mb in pending:
-                if dead & set(mb.path) and not mb.done:
-                    mb.loss = None
-                    key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
-                    await self._lose(
-                        iteration, mb, key, f"peer {sorted(dead & set(mb.path))[0][-8:]} is dead"
-                    )
+                await self._carry_out(run, machine.handle(Tick(time.monotonic())))
+        outcome = machine.outcome
+        if outcome is None:  # `closed` is set only by the machine's `Closed`
+            raise LocalProtocolError(f"iteration {machine.number} ended without an outcome")
+        if outcome.timed_out:
+            logger.warning("iteration %d timed out", machine.number)
+        self.routes_reported += outcome.reroutes
+        if outcome.lost and not evaluation:
+            self.microbatches_lost += outcome.lost
+            emit("microbatch_lost", step=self.optimizer.step_count, count=outcome.lost)
+        return list(outcome.losses), outcome.lost
 
-    async def _launch(self, iteration: Iteration, mb: Microbatch, inputs: Tensor) -> None:
-        plan = mb.planned
-        key = MicrobatchKey(self.me, iteration.number, plan.microbatch)
+    async def _launch(self, run: Running, send: Send, plan: PlannedMicrobatch, inputs: Tensor) -> None:
+        machine = run.machine
+        key = MicrobatchKey(self.me, machine.number, send.microbatch)
         now = time.monotonic()
-        if iteration.evaluation:
+        if machine.evaluation:
             hidden = await self.compute.submit(Priority.FORWARD, lambda: self.piece.embed(inputs).detach())
         else:
             hidden = await self.compute.submit(Priority.FORWARD, lambda: self.worker.embed(key, inputs, now))
         self.tokens_processed += inputs.numel()
         first = Forward(
             self.spec.run_id,
-            iteration.number,
-            plan.microbatch,
-            plan.path,
+            machine.number,
+            send.microbatch,
+            send.path,
             0,
             plan.stages,
             plan.visits,
-            evaluate=iteration.evaluation,
-            nonce=mb.nonce,
+            evaluate=machine.evaluation,
+            nonce=send.nonce,
         )
-        sent = await self.router.forward(first, hidden, mb.first_hops)
-        if sent is None:
-            await self._lose(iteration, mb, key, "first hop unreachable")
-        elif not mb.done:
-            mb.path = sent.path  # the first hop may have been re-routed
+        delivered = await self.router.forward(first, hidden, machine.tries(send.microbatch))
+        event = Unsent(send.microbatch) if delivered is None else Sent(send.microbatch, delivered.path)
+        await self._carry_out(run, machine.handle(event))
 
-    async def _abort_path(self, iteration: Iteration, mb: Microbatch, reason: str) -> None:
-        """Tell every node on the microbatch's path to drop it."""
-        await self.router.abort(
-            self.spec.run_id, self.me, iteration.number, mb.planned.microbatch, mb.path, reason
-        )
+    async def _carry_out(
+        self,
+        run: Running,
+        actions: tuple[Action, ...],
+        hop: Forward | None = None,
+        tensor: Tensor | None = None,
+    ) -> None:
+        """Carry out the machine's actions in order. `hop` and `tensor` are the message and tensor of the
+        event that produced them (returned activations, the head's gradient, a gradient back)."""
+        machine = run.machine
+        for action in actions:
+            if isinstance(action, Drop):
+                key = MicrobatchKey(self.me, machine.number, action.microbatch)
+                logger.info("microbatch %s lost: %s", key, action.reason)
+                await self.compute.submit(Priority.BACKWARD, partial(self.worker.drop, key))
+            elif isinstance(action, AbortPath):  # best effort, bounded: nothing waits for it
+                abort = self.router.abort(
+                    self.spec.run_id, self.me, machine.number, action.microbatch, action.path, action.reason
+                )
+                self.spawn(abort, "abort")
+            elif isinstance(action, Suspect):
+                self.router.suspect(action.peer)
+            elif isinstance(action, Ping):
+                now = time.monotonic()
+                silent = frozenset(action.peers) - set(await answering(self.transport, list(action.peers)))
+                await self._carry_out(run, machine.handle(PeersChecked(now, silent)))
+            elif isinstance(action, Closed):
+                run.closed.set()
+            elif isinstance(action, ComputeLoss) and hop is not None and tensor is not None:
+                await self._head(run, action.microbatch, hop, tensor)
+            elif isinstance(action, SendGradient) and hop is not None and tensor is not None:
+                if not await self.router.backward(hop, tensor):
+                    await self._carry_out(run, machine.handle(BackwardFailed(action.microbatch)))
+            elif isinstance(action, ApplyGradient) and tensor is not None:
+                await self._finish(run, action.microbatch, tensor)
+            else:
+                raise LocalProtocolError(f"{action!r} cannot be carried out here")
 
-    async def _lose(self, iteration: Iteration, mb: Microbatch, key: MicrobatchKey, reason: str) -> None:
-        logger.info("microbatch %s lost: %s", key, reason)
-        await self.compute.submit(Priority.BACKWARD, lambda: self.worker.drop(key))
-        mb.done = True
-        iteration.check()
-
-    def _microbatch(self, message: Forward | Backward | Route) -> tuple[Iteration, Microbatch]:
-        iteration = self._current
-        if message.path[0] != self.me or iteration is None or message.iteration != iteration.number:
-            raise stale(message)
-        mb = iteration.microbatches.get(message.microbatch)
-        if mb is None or mb.done:
-            raise stale(message)
-        if message.nonce != mb.nonce:  # not from its path: answered as stale, so the sender learns nothing
-            logger.warning(
-                "a %s for microbatch %d without its nonce: refused", message.KIND, message.microbatch
+    async def _head(self, run: Running, microbatch: int, message: Forward, hidden: Tensor) -> None:
+        """The loss of returned activations; in training, also the gradient to send back."""
+        machine, targets = run.machine, run.targets[microbatch]
+        if machine.evaluation:
+            loss = await self.compute.submit(
+                Priority.FORWARD, partial(self.worker.eval_loss, hidden, targets)
             )
-            raise stale(message)
-        return iteration, mb
+            await self._carry_out(run, machine.handle(LossComputed(microbatch, loss)))
+            return
+        scale = 1.0 / len(run.targets)
+
+        def head() -> tuple[float, Tensor] | None:
+            if not machine.awaits_loss(microbatch):  # closed or lost meanwhile: this belongs to no step
+                return None
+            return self.worker.loss_and_grad(hidden, targets, scale)
+
+        try:
+            result = await self.compute.submit(Priority.BACKWARD, head)
+        except Overflow as error:  # this iteration's update is skipped; the loss scale backs off
+            await self._carry_out(run, machine.handle(HeadFailed(microbatch, str(error))))
+            return
+        if result is not None:
+            loss, grad = result
+            await self._carry_out(run, machine.handle(LossComputed(microbatch, loss)), message, grad)
+
+    async def _finish(self, run: Running, microbatch: int, grad: Tensor) -> None:
+        """The backward pass through the embedding, unless the microbatch was lost or the iteration closed."""
+        machine = run.machine
+        key = MicrobatchKey(self.me, machine.number, microbatch)
+
+        def finish() -> bool:
+            if not machine.may_apply(microbatch):
+                return False
+            self.worker.finish(key, grad)
+            return True
+
+        if await self.compute.submit(Priority.BACKWARD, finish):
+            self.microbatches_served += 1
+            await self._carry_out(run, machine.handle(GradientApplied(microbatch)))
 
     async def _on_forward(
         self, peer: str, message: Forward, tensors: list[Tensor]
@@ -285,102 +341,49 @@ class DataNode(Node):
                 ErrorCode.WRONG_STAGE, f"forward hop {message.hop} of {len(message.path)} at a data node"
             )
         hidden = self._hop_tensor(peer, message, tensors)
-        iteration, mb = self._microbatch(message)
-        if mb.returned:
-            raise stale(message)
-        if tuple(hidden.shape[:2]) != tuple(mb.targets.shape):  # the sender may relay what it got: no ban
+        run = running(self._current, message)
+        targets = run.targets.get(message.microbatch)
+        if targets is not None and tuple(hidden.shape[:2]) != tuple(targets.shape):  # may be relayed: no ban
             raise Rejected(
-                ErrorCode.STALE, f"activations of shape {tuple(hidden.shape)} for {tuple(mb.targets.shape)}"
+                ErrorCode.STALE, f"activations of shape {tuple(hidden.shape)} for {tuple(targets.shape)}"
             )
-        mb.returned = True
-        mb.path = message.path
-        self.spawn(self._head(iteration, mb, message, hidden), "head")
+        origin = message.path[0]
+        event = Returned(origin, message.iteration, message.microbatch, message.nonce, message.path)
+        self.spawn(self._carry_out(run, run.take(event, message), message, hidden), "head")
         return encode(Ack()), []
 
     async def _on_route(self, peer: str, route: Route, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        if route.path[route.hop] != peer:
-            raise Rejected(ErrorCode.MALFORMED, f"{peer[-8:]} is not hop {route.hop} of the path it reports")
-        _, mb = self._microbatch(route)
-        if route.hop > mb.routed_at and not mb.returned:
-            mb.path, mb.routed_at = route.path, route.hop
-            self.routes_reported += 1
+        run = running(self._current, route)
+        notice = RouteNotice(
+            peer, route.path[0], route.iteration, route.microbatch, route.nonce, route.path, route.hop
+        )
+        run.take(notice, route)  # a notice only changes the path watched: no action
         return encode(Ack()), []
-
-    async def _head(self, iteration: Iteration, mb: Microbatch, message: Forward, hidden: Tensor) -> None:
-        key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
-        if iteration.evaluation:
-            evaluate = partial(self.worker.eval_loss, hidden, mb.targets)
-            mb.loss = await self.compute.submit(Priority.FORWARD, evaluate)
-            mb.done = True
-            iteration.check()
-            return
-        scale = 1.0 / len(iteration.microbatches)
-
-        def head() -> tuple[float, Tensor] | None:
-            if iteration.closed:  # the iteration has been stepped: this gradient belongs to no step
-                return None
-            return self.worker.loss_and_grad(hidden, mb.targets, scale)
-
-        try:
-            result = await self.compute.submit(Priority.BACKWARD, head)
-        except Overflow as error:  # this iteration's update is skipped; the loss scale backs off
-            await self._abort_path(iteration, mb, str(error))
-            await self._lose(iteration, mb, key, str(error))
-            return
-        if result is None:
-            return
-        mb.loss, grad = result
-        if not await self.router.backward(message, grad):
-            mb.loss = None
-            await self._abort_path(iteration, mb, "backward hop unreachable")
-            await self._lose(iteration, mb, key, "backward hop unreachable")
 
     async def _on_backward(
         self, peer: str, message: Backward, tensors: list[Tensor]
     ) -> tuple[bytes, list[Tensor]]:
         grad = self._hop_tensor(peer, message, tensors)
-        iteration, mb = self._microbatch(message)
-        if peer not in mb.first_hops:
-            raise Rejected(ErrorCode.MALFORMED, f"{peer[-8:]} was not sent microbatch {message.microbatch}")
-        key = MicrobatchKey(self.me, iteration.number, mb.planned.microbatch)
+        run = running(self._current, message)
+        key = MicrobatchKey(self.me, message.iteration, message.microbatch)
         shape = self.worker.output_shape(key)
-        if shape is None:  # dropped meanwhile (lost, or the iteration closed)
-            raise stale(message)
-        if shape != tuple(grad.shape):
+        if shape is not None and shape != tuple(grad.shape):
             raise Rejected(
                 ErrorCode.MALFORMED, f"gradient of shape {tuple(grad.shape)} does not fit microbatch {key}"
             )
-        self.spawn(self._finish(iteration, mb, key, grad), "finish")
+        event = GradientReturned(peer, message.path[0], message.iteration, message.microbatch, message.nonce)
+        self.spawn(self._carry_out(run, run.take(event, message), tensor=grad), "finish")
         return encode(Ack()), []
 
-    async def _finish(self, iteration: Iteration, mb: Microbatch, key: MicrobatchKey, grad: Tensor) -> None:
-        def finish() -> bool:
-            if iteration.closed or self.worker.output_shape(key) is None:  # lost meanwhile: no step's
-                return False
-            self.worker.finish(key, grad)
-            return True
-
-        if await self.compute.submit(Priority.BACKWARD, finish):
-            self.microbatches_served += 1
-            mb.done = True
-            iteration.check()
-
     async def on_abort(self, key: MicrobatchKey, reason: str) -> None:
-        iteration = self._current
-        if key[0] != self.me or iteration is None or key[1] != iteration.number:
-            return
-        mb = iteration.microbatches.get(key[2])
-        if mb is not None and not mb.done:
-            mb.loss = None
-            await self._lose(iteration, mb, key, reason)
-            # its sender may be further along the path than nodes that hold it and take aborts only from
-            # peers they know: tell the whole path, as the data node
-            await self._abort_path(iteration, mb, reason)
+        run = self._current
+        if run is not None:
+            event = AbortReceived(key.origin, key.iteration, key.microbatch, reason)
+            await self._carry_out(run, run.machine.handle(event))
 
     def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
-        iteration = self._current
-        mb = iteration.microbatches.get(key[2]) if iteration is not None else None
-        return mb is None or peer in mb.path or peer in mb.first_hops
+        run = self._current
+        return run is None or run.machine.may_abort(peer, *key)
 
     async def maybe_step(self) -> None:
         """Data nodes step at the end of each iteration (see `train`)."""

@@ -1,53 +1,49 @@
-"""A data node's bookkeeping of one iteration: its microbatches, where each is, when the iteration is done.
-
-Plain state, changed by `node.driver.DataNode` on its event loop; nothing here does I/O.
-"""
+"""What a data node keeps beside its iteration machine (`protocols.iteration.DataIteration`): the tensors the
+machine does not hold, an event to wait on, and the machine's refusals as the `Rejected` a peer is answered
+with."""
 
 from __future__ import annotations
 
 import asyncio
-import secrets
+import logging
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from protocols.messages import MAX_NONCE, Backward, ErrorCode, Forward, Route
+from protocols.iteration import DataIteration, ForgedReturn, StaleMessage, WrongSender
+from protocols.iteration_events import Action, Event
+from protocols.messages import Backward, ErrorCode, Forward, Route
 from swarmnode.node.checks import Rejected
-from swarmnode.node.planning import PlannedMicrobatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Microbatch:
-    """One microbatch of an iteration, from its launch until its gradient is back (`done`) or it is lost."""
+class Running:
+    """An iteration of a data node: its machine, each microbatch's target tokens (for the loss at the head),
+    and an event set when the machine closes it."""
 
-    planned: PlannedMicrobatch
-    targets: Tensor
-    path: tuple[str, ...] = ()
-    nonce: int = field(default_factory=lambda: 1 + secrets.randbelow(MAX_NONCE))  # unguessable
-    loss: float | None = None
-    done: bool = False
-    returned: bool = False  # its activations came back (a second copy, from a timed-out hop, is refused)
-    routed_at: int = 0  # the hop of the latest re-route reported (`Route`); notices may arrive out of order
-    first_hops: set[str] = field(default_factory=set)  # every stage-1 peer it was sent to: one sends its grad
+    machine: DataIteration
+    targets: dict[int, Tensor]
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
 
-
-@dataclass
-class Iteration:
-    """One iteration of a data node (a tick of the swarm clock, or a validation pass)."""
-
-    number: int
-    microbatches: dict[int, Microbatch] = field(default_factory=dict)
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    evaluation: bool = False
-    closed: bool = False  # the data node has stopped waiting: late work must not touch the gradients
-
-    def check(self) -> None:
-        if all(mb.done for mb in self.microbatches.values()):
-            self.finished.set()
+    def take(self, event: Event, message: Forward | Backward | Route) -> tuple[Action, ...]:
+        """The machine's actions for a peer's `message` (as `event`), or its refusal raised as `Rejected`."""
+        try:
+            return self.machine.handle(event)
+        except ForgedReturn as error:  # answered as stale, so the sender learns nothing
+            logger.warning(
+                "a %s for microbatch %d without its nonce: refused", message.KIND, message.microbatch
+            )
+            raise Rejected(ErrorCode.STALE, error.reason) from None
+        except StaleMessage as error:
+            raise Rejected(ErrorCode.STALE, error.reason) from None
+        except WrongSender as error:
+            raise Rejected(ErrorCode.MALFORMED, error.reason) from None
 
 
-def stale(message: Forward | Backward | Route) -> Rejected:
-    """The refusal of a message for a microbatch that is not pending here (or not with that nonce)."""
-    return Rejected(
-        ErrorCode.STALE, f"microbatch {message.microbatch} of iteration {message.iteration} is not pending"
-    )
+def running(current: Running | None, message: Forward | Backward | Route) -> Running:
+    """The iteration a peer's message may be about; refused as stale before the first one."""
+    if current is None:
+        raise Rejected(ErrorCode.STALE, f"microbatch {message.microbatch} is not pending")
+    return current

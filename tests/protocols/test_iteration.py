@@ -104,7 +104,7 @@ def test_a_data_node_told_of_a_lost_microbatch_aborts_it_along_the_whole_path() 
     # only from peers they know: the data node tells the whole path (81f3244)
     iteration = started()
     iteration.handle(Sent(0, PATHS[0]))
-    assert iteration.may_abort("s2a", 0) and not iteration.may_abort("mallory", 0)
+    assert iteration.may_abort("s2a", ME, 7, 0) and not iteration.may_abort("mallory", ME, 7, 0)
     assert iteration.handle(AbortReceived(ME, 7, 0, "s2a overloaded")) == lost(0, "s2a overloaded")
     assert iteration.state(0) is State.LOST
     assert iteration.handle(AbortReceived(ME, 7, 0, "again")) == ()  # lost once
@@ -117,7 +117,7 @@ def test_aborts_of_other_iterations_or_data_nodes_change_nothing() -> None:
     assert iteration.handle(AbortReceived(ME, 6, 0, "old")) == ()
     assert iteration.handle(AbortReceived("other", 7, 0, "theirs")) == ()
     assert iteration.handle(AbortReceived(ME, 7, 9, "unknown")) == ()
-    assert iteration.may_abort("anyone", 9)  # acknowledged, and ignored
+    assert iteration.may_abort("anyone", ME, 7, 9) and iteration.may_abort("anyone", ME, 6, 0)  # then ignored
     assert iteration.state(0) is State.PLANNED
 
 
@@ -218,7 +218,7 @@ def test_only_a_peer_tried_as_the_first_hop_may_return_the_gradient() -> None:
     iteration.handle(LossComputed(0, 1.0))
     with pytest.raises(WrongSender):
         iteration.handle(gradient(0, "mallory"))  # whatever path mallory's message claims
-    assert iteration.may_abort("s1-dead", 0)
+    assert iteration.may_abort("s1-dead", ME, 7, 0)
     assert iteration.handle(gradient(0, "s1c")) == (ApplyGradient(0),)
     with pytest.raises(StaleMessage):
         iteration.handle(gradient(0, "s1c"))  # a second copy
