@@ -327,3 +327,37 @@ def test_a_declining_averaging_reply_says_why_and_an_accepting_one_does_not() ->
     body["decline"] = "because"
     with pytest.raises(RemoteProtocolError):
         decode(msgpack.packb(body))
+
+
+PONG, DECLINED = EXAMPLES[10], EXAMPLES[8]
+
+
+@pytest.mark.parametrize("stage", [-1, 1025, 2**64 - 1, True, 1.0, "1", None, [1], {"stage": 1}])
+def test_a_hostile_pong_is_refused(stage: object) -> None:
+    """A ping's answer names the stage served as an int in range (it once hid in free text)."""
+    with pytest.raises(RemoteProtocolError, match="stage"):
+        decode(mutate(PONG, stage=stage), Pong)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"decline": "because"},
+        {"decline": "NOT_REACHED"},  # the member's name, not its wire value
+        {"decline": 1},
+        {"decline": ["not_reached"]},
+        {"decline": None},  # declining without a reason
+        {"accept": True},  # accepting with a reason to decline (and no tensors)
+    ],
+)
+def test_a_hostile_decline_is_refused(changes: dict[str, object]) -> None:
+    with pytest.raises(RemoteProtocolError, match=r"decline|phi"):
+        decode(mutate(DECLINED, **changes), AveragingReply)
+
+
+@pytest.mark.parametrize("reason", list(Decline))
+def test_every_decline_reason_arrives_as_the_enum(reason: Decline) -> None:
+    """The averaging initiator retries on `Decline.NOT_REACHED` by identity, so the decoded reason is the
+    enum member itself, never a string that merely compares equal."""
+    reply = decode(encode(replace(DECLINED, decline=reason)), AveragingReply)
+    assert reply.decline is reason
