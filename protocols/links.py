@@ -8,22 +8,36 @@ link takes `latency_ms / 1000 + B / (bandwidth_GBps * 2**30)` seconds, as in the
 
 A `Pacer` is one direction of one link: messages leave in the order they are handed to it, each taking the
 link for `B / bandwidth` seconds after the previous one left, and arrive one latency later. Time is passed in.
+
+`LinkEstimates` is the other side: what a node learns of its links to its peers from its own calls (round
+trips of small calls, seconds per byte of large requests), medians of recent samples so that a call that
+waited on its peer (a step, a queue) does not count as a slow link.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from protocols._schema import Schema, checked, number, text
 from protocols.errors import LocalProtocolError
-from protocols.messages import MAX_ID
 
 GIB = 2**30
 MAX_SITES = 1024
+MAX_SITE_CHARS = 128
+MAX_LINK_COSTS = 16  # measured links a node record carries (its node's most recently used)
+MAX_LINK_PEER_CHARS = 64  # a peer id in base58 (52 characters for an Ed25519 key)
+MAX_LINK_SECONDS = 600.0
+SMALL_CALL_BYTES = 16 << 10  # a call whose request and reply together are this small times a round trip
+LARGE_REQUEST_BYTES = 64 << 10  # a request this large (with a small reply) times the link's bandwidth
+SAMPLES = 16  # recent samples kept per peer and kind
+MAX_PEERS = 256  # peers remembered (the least recently measured forgotten first)
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,59 @@ class Pacer:
         return max(0.0, self._free_at - now)
 
 
+@dataclass(frozen=True)
+class LinkCost(Schema):
+    """A node's measured seconds to send one microbatch's activations to `peer` (`NodeRecord.links`)."""
+
+    peer: str = field(metadata=checked(text(MAX_LINK_PEER_CHARS, 1)))
+    seconds: float = field(metadata=checked(number(0.0, MAX_LINK_SECONDS)))
+
+
+class LinkEstimates:
+    """Per peer, the medians of recent round trips (small calls) and seconds per byte (large requests)."""
+
+    def __init__(self) -> None:
+        self._rtt: OrderedDict[str, deque[float]] = OrderedDict()  # least recently measured first
+        self._per_byte: dict[str, deque[float]] = {}
+
+    def observe(self, peer: str, sent: int, received: int, seconds: float) -> None:
+        """A call to `peer` that sent `sent` bytes and received `received` in `seconds`, end to end."""
+        if not (math.isfinite(seconds) and seconds >= 0) or min(sent, received) < 0:
+            raise LocalProtocolError(f"a call of {sent}+{received} bytes cannot take {seconds!r} s")
+        if sent + received <= SMALL_CALL_BYTES:
+            self._rtt.setdefault(peer, deque(maxlen=SAMPLES)).append(seconds)
+        elif sent >= LARGE_REQUEST_BYTES and received <= SMALL_CALL_BYTES:
+            rtt = self.round_trip_s(peer) or 0.0
+            per_byte = self._per_byte.setdefault(peer, deque(maxlen=SAMPLES))
+            per_byte.append(max(0.0, seconds - rtt) / sent)
+        else:
+            return
+        if peer in self._rtt:
+            self._rtt.move_to_end(peer)
+        while len(self._rtt) > MAX_PEERS:
+            oldest, _ = self._rtt.popitem(last=False)
+            self._per_byte.pop(oldest, None)
+        if len(self._per_byte) > MAX_PEERS:  # peers only ever sent large requests
+            self._per_byte.pop(next(iter(self._per_byte)))
+
+    def round_trip_s(self, peer: str) -> float | None:
+        samples = self._rtt.get(peer)
+        return statistics.median(samples) if samples else None
+
+    def send_s(self, peer: str, nbytes: int) -> float | None:
+        """Seconds to deliver `nbytes` to `peer`: half a round trip plus the bytes at the measured rate
+        (the round trip alone while no large request was timed); None before any round trip."""
+        rtt = self.round_trip_s(peer)
+        if rtt is None:
+            return None
+        per_byte = self._per_byte.get(peer)
+        return rtt / 2 + (nbytes * statistics.median(per_byte) if per_byte else 0.0)
+
+    def recent(self, count: int) -> list[str]:
+        """The `count` peers with a round trip measured most recently, most recent first."""
+        return list(reversed(self._rtt))[:count]
+
+
 def loads_network(text: str | bytes) -> Network:
     """A network from the text of a links file; raises LocalProtocolError naming what is wrong."""
     try:
@@ -163,8 +230,8 @@ def _mapping(value: object, where: str) -> Mapping[str, Any]:
 
 
 def _site(value: object, where: str) -> str:
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID:
-        raise LocalProtocolError(f"{where} must be a name of 1 to {MAX_ID} characters, got {value!r}")
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_SITE_CHARS:
+        raise LocalProtocolError(f"{where} must be a name of 1 to {MAX_SITE_CHARS} characters, got {value!r}")
     return value
 
 

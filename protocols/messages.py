@@ -32,6 +32,7 @@ from protocols._schema import (
     to_wire,
 )
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.links import MAX_LINK_COSTS, MAX_SITE_CHARS, LinkCost
 from protocols.manifest import MAX_NAME, MAX_TENSORS, TensorSpec, manifest_field, same_layout
 
 PROTOCOL_VERSION = 1
@@ -282,7 +283,8 @@ class NodeRecord(Message):
     The protocol version travels in every encoding and `decode` rejects other versions. `loss` is set by
     data nodes only; `grad_norm` (before clipping) feeds CheckFree; `copies` says which CheckFree+ copies
     this node holds; `addrs` are its multiaddrs; `site` names its site in an emulated network
-    (`join --network`; None: no emulation). Decode records with `max_bytes=MAX_RECORD_BYTES`.
+    (`join --network`; None: no emulation); `links` its measured costs to the peers it last talked to (the
+    planner's link costs). Decode records with `max_bytes=MAX_RECORD_BYTES`.
     """
 
     KIND: ClassVar[str] = "node_record"
@@ -299,7 +301,8 @@ class NodeRecord(Message):
     microbatches_lost: int = field(default=0, metadata=checked(count()))
     recovery: str | None = field(default=None, metadata=checked(optional(text(MAX_ID, 1))))
     recovery_seconds: float | None = field(default=None, metadata=checked(optional(number(0.0))))
-    site: str | None = field(default=None, metadata=checked(optional(text(MAX_ID, 1))))
+    site: str | None = field(default=None, metadata=checked(optional(text(MAX_SITE_CHARS, 1))))
+    links: tuple[LinkCost, ...] = field(default=(), metadata=checked(items(nested(LinkCost), MAX_LINK_COSTS)))
 
 
 class Rpc(StrEnum):

@@ -19,7 +19,7 @@ import uvloop
 from hivemind.p2p import P2P, PeerID
 from transport_harness import DIRECT, LIBP2P, echo, new_p2p, p2pd_children
 
-from protocols.links import parse_network
+from protocols.links import LinkEstimates, parse_network
 from swarmnode.transport import LinkEmulator, Transport
 
 T = TypeVar("T")
@@ -143,3 +143,21 @@ def test_unknown_sites_are_not_emulated(sites: Sites) -> None:
     caller.links.set_sites({str(sites.server.peer_id): "Mars", "someone": None})
     assert caller.links.site_of(sites.server.peer_id) is None
     assert caller.links.delay(sites.server.peer_id, 1 << 20) == 0.0
+
+
+def test_calls_measure_the_link(sites: Sites) -> None:
+    caller, server = sites.callers["direct"], sites.server.peer_id
+    caller.estimates = LinkEstimates()  # only this test's calls
+    sites.emulate(True)
+
+    async def calls() -> None:
+        for _ in range(3):
+            await caller.call(server, "echo", b"ping", [], 10.0)
+            await caller.call(server, "sink", b"", [PAYLOAD], 10.0)
+
+    sites.run(calls())
+    rtt = caller.estimates.round_trip_s(server.to_base58())
+    send = caller.estimates.send_s(server.to_base58(), PAYLOAD.numel() * 4)
+    alone = LATENCY_S + PAYLOAD.numel() * 4 / BANDWIDTH
+    assert rtt is not None and 2 * LATENCY_S <= rtt <= 2 * LATENCY_S * SLACK, rtt
+    assert send is not None and 0.9 * alone <= send <= SLACK * alone, (send, alone)

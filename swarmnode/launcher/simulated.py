@@ -42,12 +42,15 @@ class SimNode:
 
 def swarm_simulated_seconds(config: SwarmConfig, nodes: Sequence[LaunchedNode]) -> float | None:
     """`simulated_iteration_seconds` for the daemons of a local swarm (those online at its end), with the
-    throughputs last read from their metrics (None if one's never were). Raises LocalProtocolError or
-    OSError if the links file changed under the run and no longer reads."""
+    throughputs last read from their metrics; a node that never computed (it joined late) gets the median of
+    the others'. None if no node's was read. Raises LocalProtocolError or OSError if the links file changed
+    under the run and no longer reads."""
     alive = [node for node in nodes if node.stage is not None]
-    rates = [node.tokens_per_second for node in alive]
-    if not alive or None in rates:
+    measured = [node.tokens_per_second for node in alive if node.tokens_per_second is not None]
+    if not measured:
         return None
+    typical = statistics.median(measured)
+    rates = [typical if node.tokens_per_second is None else node.tokens_per_second for node in alive]
     spec = RunSpec.for_preset(
         config.preset,
         run_id=config.run_id,
@@ -60,7 +63,7 @@ def swarm_simulated_seconds(config: SwarmConfig, nodes: Sequence[LaunchedNode]) 
     )
     network = None if config.network is None else loads_network(config.network.read_bytes())
     sim_nodes = [
-        SimNode(node.peer_id or node.process.name, node.stage or 0, node.site, rate or 0.0)
+        SimNode(node.peer_id or node.process.name, node.stage or 0, node.site, rate)
         for node, rate in zip(alive, rates, strict=True)
     ]
     return simulated_iteration_seconds(spec, network, sim_nodes)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from protocols.bounds import CLOCK_MARGIN
 from protocols.checkfree import Recovery, replica_lr_factor
+from protocols.links import MAX_LINK_COSTS, MAX_LINK_PEER_CHARS, MAX_LINK_SECONDS, LinkCost
 from protocols.messages import (
     REQUESTS,
     Abort,
@@ -242,7 +243,21 @@ class Node:
             recovery=self.recovery[0] if self.recovery else None,
             recovery_seconds=self.recovery[1] if self.recovery else None,
             site=self.links.site if self.links else None,
+            links=self._link_costs(),
         )
+
+    def _link_costs(self) -> tuple[LinkCost, ...]:
+        """What this node measured of its links to the peers it talked to last: the seconds one hop's
+        activations take to reach each (the planners' link costs; `protocols.links.LinkEstimates`)."""
+        estimates = self.transport.estimates
+        element = 2 if self.compression is Compression.FLOAT16 or self.spec.dtype != "float32" else 4
+        hop_bytes = element * self.spec.batch_size * self.spec.seq_len * self.model_config.dim
+        costs = []
+        for peer in estimates.recent(MAX_LINK_COSTS):
+            seconds = estimates.send_s(peer, hop_bytes)
+            if seconds is not None and len(peer) <= MAX_LINK_PEER_CHARS:
+                costs.append(LinkCost(peer, min(seconds, MAX_LINK_SECONDS)))
+        return tuple(costs)
 
     async def publish(self) -> None:
         await self.dht.publish(self.record(), self.spec.record_ttl_s)

@@ -13,7 +13,7 @@ the timing.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from protocols.checkfree import swap_edge_pairs, swaps_edge_pairs
@@ -23,7 +23,7 @@ from protocols.skippipe import PathRules, SwarmView, full_pipeline_plan, mix_rep
 from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
 
-LOOPBACK_LINK_S = 0.002  # one activation hop on loopback; replaced by measured costs where known
+LOOPBACK_LINK_S = 0.002  # one activation hop on loopback, where no node measured the link (`link_costs`)
 DEFAULT_FORWARD_S = 0.05
 
 
@@ -86,7 +86,7 @@ def plan_iteration(
         for peer in members:
             peers.append(peer)
             forward_s.append(_forward_seconds(snapshot.record(peer), tokens_per_microbatch))
-    view = SwarmView.build(view_stages, forward_s, lambda a, b: LOOPBACK_LINK_S)
+    view = SwarmView.build(view_stages, forward_s, link_costs(snapshot, peers))
     skipping = spec.skip_ratio > 0
     rules = PathRules(
         microbatches_per_data_node=spec.microbatches,
@@ -129,6 +129,22 @@ def plan_iteration(
             )
         )
     return planned
+
+
+def link_costs(snapshot: Snapshot, peers: Sequence[str]) -> Callable[[int, int], float]:
+    """The seconds of a hop from `peers[a]` to `peers[b]`: what a measured (its record's `links`), else what
+    b measured the other way, else `LOOPBACK_LINK_S`."""
+    measured: dict[tuple[str, str], float] = {}
+    for peer in peers:
+        record = snapshot.record(peer)
+        for link in record.record.links if record is not None else ():
+            measured[(peer, link.peer)] = link.seconds
+
+    def cost(a: int, b: int) -> float:
+        there, back = measured.get((peers[a], peers[b])), measured.get((peers[b], peers[a]))
+        return there if there is not None else back if back is not None else LOOPBACK_LINK_S
+
+    return cost
 
 
 def _forward_seconds(peer: PeerRecord | None, tokens: int) -> float:

@@ -19,6 +19,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
+from protocols.links import LinkEstimates
 from swarmnode.transport._config import TransportConfig, TransportStats
 from swarmnode.transport._direct import GRANT_METHOD, DirectDialer, DirectListener
 from swarmnode.transport._errors import CallTimeout, TransportError
@@ -36,7 +37,8 @@ class Transport:
     transfer never blocks a small one. Every wait is bounded by the call's timeout.
 
     With `links`, requests and replies to peers at other sites of an emulated network are delayed and
-    paced as over those links (`_links`).
+    paced as over those links (`_links`). Every call that succeeds is timed into `estimates`
+    (`protocols.links.LinkEstimates`: round trips and seconds per byte, per peer).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class Transport:
         self._p2p = p2p
         self._config = config or TransportConfig()
         self._links = links
+        self.estimates = LinkEstimates()
         self.stats = TransportStats()
         self._handlers: dict[str, Handler] = {}
         self._body_limits: dict[str, int] = {}
@@ -162,6 +165,7 @@ class Transport:
         size = frame_size(frame)
         if size > self._config.limits.max_message_bytes:
             raise ValueError(f"request of {size} bytes exceeds max_message_bytes")
+        started = asyncio.get_running_loop().time()
         try:
             async with asyncio.timeout(timeout):
                 if self._links is not None:
@@ -176,6 +180,9 @@ class Transport:
             self.stats.calls_failed[type(e).__name__] += 1
             raise
         self.stats.calls_ok += 1
+        received = len(result[0]) + sum(tensor.nbytes for tensor in result[1])
+        seconds = asyncio.get_running_loop().time() - started
+        self.estimates.observe(peer_id.to_base58(), size, received, seconds)
         return result
 
     async def _stream_to(self, peer_id: PeerID) -> Stream:

@@ -67,5 +67,11 @@ def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
     urls = [node["metrics_url"] for node in daemons]  # every daemon served its metrics on a port of its own
     assert all(url and url.startswith("http://127.0.0.1:") for url in urls) and len(set(urls)) == len(urls)
     assert [node["name"] for node in report["nodes"] if group_running(node["pid"])] == []  # no p2pd, no DHT
+    assert all(node["site"] is None for node in daemons) and report["network"] is None
+    served = {node["name"]: node["microbatches_served"] for node in daemons}
+    assert all(served[name] > 0 for name in ("s1r1", "s1r2", "s3r1", "s3r2")), served  # never killed
+    iterations = report["iteration_seconds"]
+    assert iterations["count"] >= 100 and 0 < iterations["median"] <= iterations["p90"], iterations
+    assert iterations["simulated"] > 0 and report["skip_ratio"] == 0.0, iterations
     assert "all 8 nodes joined" in stderr and "completed: 100 steps done" in stderr
     assert "stage 2 lost" in stderr

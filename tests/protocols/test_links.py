@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from protocols.errors import LocalProtocolError
-from protocols.links import GIB, Link, Pacer, loads_network, parse_network
+from protocols.links import GIB, MAX_PEERS, Link, LinkEstimates, Pacer, loads_network, parse_network
 
 GCP12 = Path(__file__).parents[2] / "benchmarks" / "data" / "gcp12_links.json"
 SMALL: dict[str, Any] = {
@@ -140,3 +140,28 @@ def test_pacer_refuses_bad_input() -> None:
         pacer.send(math.nan, 1)
     with pytest.raises(LocalProtocolError, match="bandwidth must be positive"):
         Link(0.0, 0.0)
+
+
+def test_estimates_take_medians_of_round_trips_and_bytes() -> None:
+    estimates = LinkEstimates()
+    assert estimates.send_s("far", 1 << 20) is None
+    for seconds in (0.2, 0.21, 5.0):  # one call waited on its peer: the median ignores it
+        estimates.observe("far", 100, 10, seconds)
+    assert estimates.round_trip_s("far") == pytest.approx(0.21)
+    assert estimates.send_s("far", 1 << 20) == pytest.approx(0.105)  # no large request timed yet
+    estimates.observe("far", 1 << 20, 10, 0.21 + 1.0)  # 1 MiB in 1 s past the round trip
+    assert estimates.send_s("far", 1 << 19) == pytest.approx(0.105 + 0.5)
+    estimates.observe("far", 1 << 20, 1 << 20, 9.0)  # large both ways: neither kind
+    assert estimates.send_s("far", 1 << 19) == pytest.approx(0.105 + 0.5)
+    estimates.observe("near", 10, 10, 0.001)
+    assert estimates.recent(5) == ["near", "far"] and estimates.recent(1) == ["near"]
+    with pytest.raises(LocalProtocolError, match="cannot take"):
+        estimates.observe("near", 10, 10, -1.0)
+
+
+def test_estimates_forget_the_least_recent_peers() -> None:
+    estimates = LinkEstimates()
+    for i in range(MAX_PEERS + 3):
+        estimates.observe(f"peer{i}", 10, 10, 0.01)
+    assert estimates.round_trip_s("peer0") is None and estimates.round_trip_s(f"peer{MAX_PEERS + 2}") == 0.01
+    assert len(estimates.recent(10 * MAX_PEERS)) == MAX_PEERS

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.links import MAX_LINK_COSTS, MAX_LINK_PEER_CHARS, MAX_LINK_SECONDS, LinkCost
 from protocols.manifest import TensorSpec
 from protocols.messages import (
     KINDS,
@@ -65,7 +66,16 @@ EXAMPLES = [
         queue_depth=2,
         addrs=("/ip4/127.0.0.1/tcp/1",),
     ),
-    NodeRecord(NodeState.JOINING, 4, 0, 0, grad_norm=1.7, copies=(StatePart.HEAD_COPY,), site="Belgium"),
+    NodeRecord(
+        NodeState.JOINING,
+        4,
+        0,
+        0,
+        grad_norm=1.7,
+        copies=(StatePart.HEAD_COPY,),
+        site="Belgium",
+        links=(LinkCost("12D3KooWpeer", 0.25), LinkCost("12D3KooWother", 0.0)),
+    ),
     StateTransfer("run-1", 2, (StatePart.WEIGHTS, StatePart.OPTIMIZER), 7, 1, 0.5, PHI, lr_factor=1.1),
     Route("run-1", 7, 3, (*PATH, PATH[0]), 1),
 ]
@@ -106,6 +116,7 @@ def test_records_fit_the_dht() -> None:
         (StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY),
         tuple("/ip4/127.0.0.1/tcp/1/p2p/" + "x" * 230 for _ in range(16)),
         site="s" * MAX_ID,
+        links=tuple(LinkCost("p" * MAX_LINK_PEER_CHARS, MAX_LINK_SECONDS) for _ in range(MAX_LINK_COSTS)),
     )
     assert decode(encode(biggest), NodeRecord, max_bytes=MAX_RECORD_BYTES) == biggest
 
