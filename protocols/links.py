@@ -10,15 +10,15 @@ A `Pacer` is one direction of one link: messages leave in the order they are han
 link for `B / bandwidth` seconds after the previous one left, and arrive one latency later. Time is passed in.
 
 `LinkEstimates` is the other side: what a node learns of its links to its peers from its own calls (round
-trips of small calls, seconds per byte of large requests), medians of recent samples so that a call that
-waited on its peer (a step, a queue) does not count as a slow link.
+trips of small calls, seconds per byte of large requests), the least of recent samples: waiting (on a busy
+peer, a queue, a loaded CPU) only ever adds to a call's time, so the fastest recent call is the best
+measure of the link itself, and one slow call does not make a link look slow.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -135,7 +135,7 @@ class LinkCost(Schema):
 
 
 class LinkEstimates:
-    """Per peer, the medians of recent round trips (small calls) and seconds per byte (large requests)."""
+    """Per peer, the least of recent round trips (small calls) and seconds per byte (large requests)."""
 
     def __init__(self) -> None:
         self._rtt: OrderedDict[str, deque[float]] = OrderedDict()  # least recently measured first
@@ -163,7 +163,7 @@ class LinkEstimates:
 
     def round_trip_s(self, peer: str) -> float | None:
         samples = self._rtt.get(peer)
-        return statistics.median(samples) if samples else None
+        return min(samples) if samples else None
 
     def send_s(self, peer: str, nbytes: int) -> float | None:
         """Seconds to deliver `nbytes` to `peer`: half a round trip plus the bytes at the measured rate
@@ -172,7 +172,7 @@ class LinkEstimates:
         if rtt is None:
             return None
         per_byte = self._per_byte.get(peer)
-        return rtt / 2 + (nbytes * statistics.median(per_byte) if per_byte else 0.0)
+        return rtt / 2 + (nbytes * min(per_byte) if per_byte else 0.0)
 
     def recent(self, count: int) -> list[str]:
         """The `count` peers with a round trip measured most recently, most recent first."""

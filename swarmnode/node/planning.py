@@ -133,7 +133,8 @@ def plan_iteration(
 
 def link_costs(snapshot: Snapshot, peers: Sequence[str]) -> Callable[[int, int], float]:
     """The seconds of a hop from `peers[a]` to `peers[b]`: what a measured (its record's `links`), else what
-    b measured the other way, else `LOOPBACK_LINK_S`."""
+    b measured the other way, and never less than `LOOPBACK_LINK_S` (the cost of an unmeasured link), so
+    that replicas on links alike are costed alike, whatever the noise in their measurements."""
     measured: dict[tuple[str, str], float] = {}
     for peer in peers:
         record = snapshot.record(peer)
@@ -142,7 +143,8 @@ def link_costs(snapshot: Snapshot, peers: Sequence[str]) -> Callable[[int, int],
 
     def cost(a: int, b: int) -> float:
         there, back = measured.get((peers[a], peers[b])), measured.get((peers[b], peers[a]))
-        return there if there is not None else back if back is not None else LOOPBACK_LINK_S
+        known = there if there is not None else back
+        return LOOPBACK_LINK_S if known is None else max(known, LOOPBACK_LINK_S)
 
     return cost
 

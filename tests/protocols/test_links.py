@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 
 from protocols.errors import LocalProtocolError
-from protocols.links import GIB, MAX_PEERS, Link, LinkEstimates, Pacer, loads_network, parse_network
+from protocols.links import (
+    GIB,
+    MAX_PEERS,
+    SAMPLES,
+    Link,
+    LinkEstimates,
+    Pacer,
+    loads_network,
+    parse_network,
+)
 
 GCP12 = Path(__file__).parents[2] / "benchmarks" / "data" / "gcp12_links.json"
 SMALL: dict[str, Any] = {
@@ -142,17 +151,21 @@ def test_pacer_refuses_bad_input() -> None:
         Link(0.0, 0.0)
 
 
-def test_estimates_take_medians_of_round_trips_and_bytes() -> None:
+def test_estimates_take_the_fastest_recent_calls() -> None:
     estimates = LinkEstimates()
     assert estimates.send_s("far", 1 << 20) is None
-    for seconds in (0.2, 0.21, 5.0):  # one call waited on its peer: the median ignores it
+    for seconds in (0.21, 0.2, 5.0):  # one call waited on its peer: it does not count
         estimates.observe("far", 100, 10, seconds)
-    assert estimates.round_trip_s("far") == pytest.approx(0.21)
-    assert estimates.send_s("far", 1 << 20) == pytest.approx(0.105)  # no large request timed yet
-    estimates.observe("far", 1 << 20, 10, 0.21 + 1.0)  # 1 MiB in 1 s past the round trip
-    assert estimates.send_s("far", 1 << 19) == pytest.approx(0.105 + 0.5)
-    estimates.observe("far", 1 << 20, 1 << 20, 9.0)  # large both ways: neither kind
-    assert estimates.send_s("far", 1 << 19) == pytest.approx(0.105 + 0.5)
+    assert estimates.round_trip_s("far") == pytest.approx(0.2)
+    assert estimates.send_s("far", 1 << 20) == pytest.approx(0.1)  # no large request timed yet
+    estimates.observe("far", 1 << 20, 10, 0.2 + 1.0)  # 1 MiB in 1 s past the round trip
+    estimates.observe("far", 1 << 20, 10, 0.2 + 3.0)  # queued behind another transfer
+    assert estimates.send_s("far", 1 << 19) == pytest.approx(0.1 + 0.5)
+    estimates.observe("far", 1 << 20, 1 << 20, 0.01)  # large both ways: neither kind
+    assert estimates.send_s("far", 1 << 19) == pytest.approx(0.1 + 0.5)
+    for _ in range(SAMPLES):  # the link got slower: once the fast samples are old, it shows
+        estimates.observe("far", 100, 10, 0.4)
+    assert estimates.round_trip_s("far") == pytest.approx(0.4)
     estimates.observe("near", 10, 10, 0.001)
     assert estimates.recent(5) == ["near", "far"] and estimates.recent(1) == ["near"]
     with pytest.raises(LocalProtocolError, match="cannot take"):
