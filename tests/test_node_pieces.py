@@ -1,4 +1,4 @@
-"""The daemon's pure pieces: step bookkeeping, planning from DHT records, stage choice, state loading,
+"""The daemon's pure pieces: step bookkeeping, planning from DHT records, state loading,
 record validation and the run definition."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from swarmnode.identity import Identity
 from swarmnode.model import build_stage
 from swarmnode.model_config import ModelConfig
 from swarmnode.node.planning import Snapshot, plan_iteration
-from swarmnode.node.run import choose_stage, leaves_claim
 from swarmnode.node.state import (
     StateMismatch,
     check_replica_state,
@@ -124,37 +123,6 @@ def test_a_three_stage_model_never_swaps() -> None:
     for iteration in range(3):
         planned = plan_iteration(view, "d", spec, iteration=iteration, tokens_per_microbatch=1024)
         assert all(mb.stages == (0, 1, 2, 3, 0) for mb in planned)
-
-
-# ---- stage choice -------------------------------------------------------------------------------------
-
-
-def test_auto_takes_an_empty_stage_first_then_the_least_replicated() -> None:
-    live = {0: peers(0, "d"), 1: peers(1, "a"), 2: [], 3: peers(3, "c")}
-    assert choose_stage(live) == 2
-    live[2] = peers(2, "b", "b2")
-    assert choose_stage(live) in (1, 3)
-    live[1] = peers(1, "a", throughput=10.0) + peers(1, "a2", throughput=10.0)
-    assert choose_stage(live) == 3
-    assert choose_stage({0: [], 1: peers(1, "a")}) == 0
-
-
-def test_a_claim_is_left_to_an_older_or_committed_rival() -> None:
-    def claim(name: str, expires: float, state: NodeState = NodeState.JOINING) -> PeerRecord:
-        return PeerRecord(name, record(2, state), expires)
-
-    assert not leaves_claim("b", [claim("b", 10.0)])
-    # both saw each other at the same age: the lower id keeps the stage, the other leaves
-    assert leaves_claim("b", [claim("a", 10.0), claim("b", 10.0)])
-    assert not leaves_claim("a", [claim("a", 10.0), claim("b", 10.0)])
-    # "a" claimed after "b" (b's first look missed it, so b kept the stage): a leaves despite its lower id
-    assert leaves_claim("a", [claim("a", 11.0), claim("b", 10.0)])
-    assert not leaves_claim("b", [claim("a", 11.0), claim("b", 10.0)])
-    # a rival already rebuilding or serving the stage keeps it, however young its record
-    assert leaves_claim("a", [claim("a", 10.0), claim("z", 99.0, NodeState.RECOVERING)])
-    assert leaves_claim("a", [claim("a", 10.0), claim("z", 99.0, NodeState.ONLINE)])
-    # my own claim is not visible (its store failed): no rival saw it, so I leave
-    assert leaves_claim("a", [claim("z", 99.0)])
 
 
 # ---- state transfer --------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from protocols.links import Network
+from protocols.membership import Claim, ClaimAction, Looked, Member, StageClaim, Take
 from protocols.messages import NodeRecord, NodeState
 from swarmnode.data import check_splits, load_corpus
 from swarmnode.dht import SwarmDHT
@@ -25,7 +26,6 @@ from swarmnode.node.orphans import adopt_orphans, end_orphans
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.stage import StageNode
 from swarmnode.precision import Precision
-from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import LinkEmulator, Transport
 
@@ -67,20 +67,7 @@ class JoinOptions:
     site: str | None = None  # this node's site in `network`, announced in its records
 
 
-def choose_stage(live: dict[int, list[PeerRecord]]) -> int:
-    """`--stage auto`, given the live nodes of every stage: a stage with none first (the data stage first),
-    else the transformer stage with the fewest replicas, then the least throughput per replica."""
-    for stage in sorted(live):
-        if not live[stage]:
-            return stage
-
-    def per_replica(stage: int) -> float:
-        return sum(p.record.throughput for p in live[stage]) / len(live[stage]) ** 2
-
-    return min((k for k in live if k > 0), key=lambda k: (len(live[k]), per_replica(k), k))
-
-
-async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, list[PeerRecord]]:
+async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, tuple[Member, ...]]:
     """Every stage's nodes that are alive or about to be: online records whose peer answers a ping (a dead
     node's record outlives it), plus joining and recovering claims (short-lived records of nodes that have
     chosen the stage but do not serve yet)."""
@@ -89,52 +76,34 @@ async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, list[PeerRecord]]
     live = {}
     for stage in range(spec.stages + 1):
         answering_peers = set(await answering(transport, snapshot.online(stage), stage))
-        live[stage] = [
-            p
+        live[stage] = tuple(
+            Member(p.peer_id, p.record.state, p.expires_at, p.record.throughput)
             for p in snapshot.stages.get(stage, ())
             if p.peer_id in answering_peers or p.record.state in (NodeState.JOINING, NodeState.RECOVERING)
-        ]
+        )
     await transport.close()
     return live
 
 
-def leaves_claim(me: str, claimants: list[PeerRecord]) -> bool:
-    """Whether this node, having claimed an empty stage, leaves it to a rival found there one record period
-    later. A rival that already rebuilds or serves the stage keeps it; of two claims the older one keeps it
-    (the lower peer id on a tie). Claims are ordered by expiry (same ttl, so by publication): a node whose
-    first look missed a rival, because the rival's claim was stored after it, sees that rival as younger,
-    and the rival, which did see it, leaves. My own claim missing from the view means no one saw it: leave.
-    """
-    mine = [p for p in claimants if p.peer_id == me]
-    rivals = [p for p in claimants if p.peer_id != me]
-    if not rivals:
-        return False
-    if not mine:
-        return True
-    own = (mine[0].expires_at, me)
-    return any(p.record.state != NodeState.JOINING or (p.expires_at, p.peer_id) < own for p in rivals)
-
-
 async def claim_stage(dht: SwarmDHT, spec: RunSpec) -> int:
-    """`--stage auto`: choose a stage; if it has no node, claim it, look again after one record period and
-    leave it if a rival keeps it (`leaves_claim`), then choose again among the stages not yet left."""
-    taken: set[int] = set()
+    """`--stage auto`: carry out `protocols.membership.StageClaim`'s actions (look at the live swarm, claim
+    an empty stage, look again once the claim settled) until it takes a stage."""
+    claim = StageClaim(me=dht.peer_id, stages=spec.stages, settle_s=CLAIM_SETTLE_S)
+    actions = claim.start()
     while True:
-        live = await live_view(dht, spec)
-        for stage in taken:
-            live[stage] = live[stage] or [
-                PeerRecord("(claimed)", NodeRecord(NodeState.JOINING, stage, 0, 0), 0.0)
-            ]
-        stage = choose_stage(live)
-        if live[stage]:
-            return stage  # not an empty stage: several joiners may share it
-        await dht.publish(NodeRecord(NodeState.JOINING, stage, 0, 0), spec.record_ttl_s)
-        await asyncio.sleep(CLAIM_SETTLE_S)  # a rival's claim, stored at the same moment, becomes visible
-        claimants = (await live_view(dht, spec))[stage]
-        if not leaves_claim(dht.peer_id, claimants) or len(taken) > spec.stages:
-            return stage
-        logger.info("stage %d was claimed first by another joiner; choosing again", stage)
-        taken.add(stage)
+        following: tuple[ClaimAction, ...] = ()
+        for action in actions:
+            if isinstance(action, Take):
+                return action.stage
+            if isinstance(action, Claim):
+                await dht.publish(NodeRecord(NodeState.JOINING, action.stage, 0, 0), spec.record_ttl_s)
+                continue
+            await asyncio.sleep(action.after_s)
+            left = claim.left
+            following = claim.handle(Looked(await live_view(dht, spec)))
+            for stage in claim.left - left:
+                logger.info("stage %d was claimed first by another joiner; choosing again", stage)
+        actions = following
 
 
 async def run_join(options: JoinOptions) -> int:
@@ -213,8 +182,8 @@ async def _build_announced(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, s
     """Build the node (in a thread) while a `recovering` record for its stage stays on the DHT, republished
     every record period: building a large preset's stage, or a data node's corpus, takes longer than one
     record lives, and a `--stage auto` claim that lapsed would send the next joiner to the same stage. Not
-    `joining`: a claim kept is no longer a claim that an older one beats (`leaves_claim` orders `joining`
-    claims by expiry, which a republished record would push forward)."""
+    `joining`: a claim kept is no longer a claim that an older one beats (`membership.leaves_claim` orders
+    `joining` claims by expiry, which a republished record would push forward)."""
     building = asyncio.ensure_future(asyncio.to_thread(_build_node, options, spec, dht, stage))
     while True:
         try:

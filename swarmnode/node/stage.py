@@ -10,6 +10,7 @@ import time
 
 from torch import Tensor
 
+from protocols.membership import Probe, Probed, Rebalance, RebalanceAction, Viewed, Wait
 from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
 from protocols.stepbook import Group, MicrobatchKey, StepBook
 from swarmnode.dht import SwarmDHT
@@ -47,7 +48,9 @@ class StageNode(Node):
         self.worker = StageWorker(self.piece, self.optimizer, self.precision, self.wire)
         self.book = StepBook(spec.iteration_timeout_s)
         self.rebalance = rebalance
-        self._served: set[int] = set()  # stages this node has seen served (`--rebalance` moves only to those)
+        self.membership = Rebalance(
+            me=self.me, stage=stage, stages=spec.stages, max_delay_s=REBALANCE_S / 2, rng=self.rng
+        )
         self._origins_read_at = -math.inf
         self._origins_read: asyncio.Future[None] | None = None  # the DHT read forwards from new origins await
         self._copies_at = 0  # the clock at the last refresh of the CheckFree+ copies
@@ -61,31 +64,33 @@ class StageNode(Node):
             )
 
     async def consider_moving(self) -> None:
-        """Move to a transformer stage that lost all its nodes if this stage keeps another live replica.
+        """One look of `protocols.membership.Rebalance` (move to a transformer stage that lost all its nodes
+        if this stage keeps another live replica), carrying out its actions: ping the stages it names, wait
+        and look again, move."""
+        actions = self.membership.handle(Viewed(self._online()))
+        while actions:
+            following: tuple[RebalanceAction, ...] = ()
+            for action in actions:
+                if isinstance(action, Probe):
+                    live = {
+                        k: frozenset(await live_peers(self.transport, self.snapshot, self.me, k))
+                        for k in action.stages
+                    }
+                    following = self.membership.handle(Probed(live))
+                elif isinstance(action, Wait):
+                    await asyncio.sleep(action.seconds)
+                    following = self.membership.handle(Viewed(self._online()))
+                else:
+                    self.move_to = action.stage
+                    logger.warning(
+                        "stage %d lost; moving there from over-replicated stage %d", action.stage, self.stage
+                    )
+                    self.stop()
+            actions = following
 
-        Of the replicas of this stage, only the one with the lowest peer id moves, so two replicas never both
-        leave (which would empty this stage). A random delay, then a second look, keeps spares of different
-        stages from both moving at once most of the time (if they do, the rebuilt stage has two replicas)."""
-        if not await self._lost_stages():
-            return
-        await asyncio.sleep(self.rng.uniform(0.0, REBALANCE_S / 2))
-        lost = await self._lost_stages()
-        others = await live_peers(self.transport, self.snapshot, self.me, self.stage)
-        if lost and others and self.me < min(others):
-            self.move_to = lost[0]
-            logger.warning("stage %d lost; moving there from over-replicated stage %d", lost[0], self.stage)
-            self.stop()
-
-    async def _lost_stages(self) -> list[int]:
-        """Transformer stages that had a node (seen by this one) and have no live node now; a stage never
-        served yet (a swarm still forming) is not lost."""
-        stages = [k for k in range(1, self.spec.stages + 1) if k != self.stage]
-        self._served |= {k for k in stages if self.snapshot.online(k)}
-        return [
-            k
-            for k in stages
-            if k in self._served and not await live_peers(self.transport, self.snapshot, self.me, k)
-        ]
+    def _online(self) -> dict[int, frozenset[str]]:
+        """The view's online nodes of every transformer stage (`Viewed`)."""
+        return {k: frozenset(self.snapshot.online(k)) for k in range(1, self.spec.stages + 1)}
 
     async def _on_forward(
         self, peer: str, message: Forward, tensors: list[Tensor]
