@@ -18,7 +18,6 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -28,6 +27,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from protocols.errors import ProtocolError
 from protocols.messages import MAX_RECORD_BYTES, NodeRecord, decode
 from swarmnode.identity import SIGNATURE_BYTES, Identity, verify
+from swarmnode.peer_record import PeerRecord
 from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 logger = logging.getLogger(__name__)
@@ -164,15 +164,6 @@ class SwarmRecordValidator(RecordValidatorBase):
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return False
-
-
-@dataclass(frozen=True)
-class PeerRecord:
-    """One node as seen on the DHT."""
-
-    peer_id: str
-    record: NodeRecord
-    expires_at: float
 
 
 def parse_stage_entries(entries: Iterable[tuple[object, object, float]]) -> list[PeerRecord]:

@@ -27,7 +27,7 @@ from swarmnode.launcher.nodes import LaunchedNode
 from swarmnode.presets import get_preset
 from swarmnode.runspec import RunSpec
 
-ITERATIONS_SIMULATED = 20  # iterations spread over the run (each plans with its own seed)
+ITERATIONS_SIMULATED = 10  # iterations spread over the run, each planned with its own seed
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def simulated_iteration_seconds(
     """The median simulated iteration time over `ITERATIONS_SIMULATED` iterations of the run (on loopback
     without a `network`), or None when the swarm has no data node or a stage without a node."""
     from swarmnode.node.planning import LOOPBACK_LINK_S, Snapshot, plan_iteration
-    from swarmnode.records import PeerRecord
+    from swarmnode.peer_record import PeerRecord
 
     stages = [[i for i, node in enumerate(nodes) if node.stage == k] for k in range(spec.stages + 1)]
     if not all(stages):

@@ -20,7 +20,7 @@ from protocols.checkfree import swap_edge_pairs, swaps_edge_pairs
 from protocols.errors import LocalProtocolError
 from protocols.messages import NodeState
 from protocols.skippipe import PathRules, SwarmView, full_pipeline_plan, mix_replicas, schedule
-from swarmnode.records import PeerRecord
+from swarmnode.peer_record import PeerRecord
 from swarmnode.runspec import RunSpec
 
 LOOPBACK_LINK_S = 0.002  # one activation hop on loopback, where no node measured the link (`link_costs`)
