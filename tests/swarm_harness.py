@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -36,7 +37,10 @@ from typing import Any, TypeVar
 import swarm_clients
 from procinfo import group_members, unix_socket_paths
 
+from swarmnode.event_schema import KINDS, MalformedEvent, parse_object
+
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
 TERM_GRACE_S = 10.0  # a daemon gets this long to leave cleanly after SIGTERM before its group is killed
@@ -119,7 +123,9 @@ class NodeProcess:
             return []
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        """The JSON events printed so far (complete lines only), optionally only those of one kind."""
+        """The JSON objects printed so far (complete lines only), optionally only the events of one kind.
+        A daemon's event (a kind `swarmnode.event_schema` defines) that breaks the schema is skipped with a
+        warning; other lines (status snapshots, the test clients' own lines) are taken as printed."""
         found = []
         text = self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
         for line in text.split("\n")[:-1]:  # the last piece may be a line still being written
@@ -130,8 +136,15 @@ class NodeProcess:
                 event = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(event, dict) and (kind is None or event.get("event") == kind):
-                found.append(event)
+            if not isinstance(event, dict) or (kind is not None and event.get("event") != kind):
+                continue
+            if event.get("event") in KINDS:
+                try:
+                    parse_object(event, received=0.0)
+                except MalformedEvent as error:
+                    logger.warning("%s printed a malformed event line: %s", self.name, error)
+                    continue
+            found.append(event)
         return found
 
     def stderr_tail(self, lines: int = 15) -> str:

@@ -1,9 +1,10 @@
 """The local swarm behind `swarmnode up`: process supervision, failure injection, live display, report.
 
 Modules by purpose: `procs` (children in their own process groups), `kill_plan` (kills by step and at random),
-`daemon_events` (the daemons' JSON lines), `record` and `report` (figures, report.json, loss.png), `display`
+`record` and `report` (figures, report.json, loss.png), `display`
 (progress lines), `observe` (DHT snapshots from a child process), `config` (settings and child command
-lines), `nodes` (the daemons as tracked) and `local_swarm` (the supervisor).
+lines), `nodes` (the daemons as tracked) and `local_swarm` (the supervisor). The daemons' JSON lines are
+read with `swarmnode.event_schema`, which their emitter checks them against.
 """
 
 from swarmnode.launcher.config import FAIL_RATE_UNIT, STALL_TIMEOUT_S, SwarmConfig

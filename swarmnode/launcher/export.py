@@ -8,12 +8,12 @@ folder, the step each stage's weights came from, and the validation loss recompu
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from swarmnode.event_schema import Exported, parse_line
 from swarmnode.launcher.config import SwarmConfig
 from swarmnode.launcher.procs import ChildProcess, StopSignals
 
@@ -41,7 +41,7 @@ def export_model(
     if child.returncode != 0 or exported is None:
         why = child.stderr_tail() or "no exported line"
         return {**entry, "error": f"the exporter exited with code {child.returncode}: {why}"}
-    return {**entry, **{key: exported.get(key) for key in ("step", "steps", "val_loss")}}
+    return {**entry, "step": exported.step, "steps": dict(exported.steps), "val_loss": exported.val_loss}
 
 
 def describe(model: Mapping[str, Any], swarm_val_loss: float | None) -> str:
@@ -56,14 +56,11 @@ def describe(model: Mapping[str, Any], swarm_val_loss: float | None) -> str:
     )
 
 
-def _exported(path: Path) -> dict[str, Any] | None:
+def _exported(path: Path) -> Exported | None:
     """The exporter's last `exported` line."""
     found = None
     for line in path.read_text(errors="replace").splitlines():
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(raw, dict) and raw.get("event") == "exported":
-            found = raw
+        event = parse_line(line, time.time())
+        if isinstance(event, Exported):
+            found = event
     return found

@@ -20,8 +20,7 @@ from enum import Enum
 from typing import Any, TextIO
 
 from protocols.errors import LocalProtocolError
-from swarmnode.launcher.config import SwarmConfig, read_peers
-from swarmnode.launcher.daemon_events import (
+from swarmnode.event_schema import (
     Finished,
     Joining,
     MetricsServed,
@@ -29,8 +28,9 @@ from swarmnode.launcher.daemon_events import (
     Recovered,
     Step,
     Validation,
-    parse_event,
+    parse_line,
 )
+from swarmnode.launcher.config import SwarmConfig, read_peers
 from swarmnode.launcher.display import Display, StageCount, status_line
 from swarmnode.launcher.export import describe, export_model
 from swarmnode.launcher.kill_plan import Kill, KillPlan, RandomKills
@@ -225,7 +225,7 @@ class LocalSwarm:
     def _read_events(self) -> None:
         for node in self._nodes:
             for line in node.tail.read_lines():
-                event = parse_event(line, time.time())
+                event = parse_line(line, time.time())
                 late = self._finishing_since is not None and not node.trained
                 if event is None or (late and isinstance(event, Step | Validation)):
                     continue  # a data node that joined after the run finished does not count
@@ -234,7 +234,7 @@ class LocalSwarm:
                     node.trained = True
                 elif isinstance(event, Finished):
                     node.finished = True
-                elif isinstance(event, Joining):
+                elif isinstance(event, Joining) and event.stage is not None:
                     node.stage = event.stage
                 elif isinstance(event, Online):
                     self._on_online(node, event)

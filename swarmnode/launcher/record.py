@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from swarmnode.launcher.daemon_events import Event, MicrobatchLost, OuterStep, Recovered, Step, Validation
+from swarmnode.event_schema import EventRecord, MicrobatchLost, OuterStep, Recovered, Step, Validation
 
 FINAL_LOSS_STEPS = 10  # final_loss averages the last steps, as the single-process trainer does
 
@@ -95,7 +95,7 @@ class RunRecord:
         """The furthest step any data node has finished."""
         return max(self._step_times, default=0)
 
-    def add(self, event: Event) -> None:
+    def add(self, event: EventRecord) -> None:
         """Record a daemon's event (events that carry no training figures are ignored)."""
         match event:
             case Step():

@@ -1,4 +1,5 @@
-"""One JSON object per line on stdout for every event a daemon reports (the launcher and logs read them)."""
+"""One JSON object per line on stdout for every event a daemon reports (the launcher and logs read them),
+of a kind and with fields that `swarmnode.event_schema` defines."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from swarmnode.event_schema import check_fields
+
 Listener = Callable[[str, dict[str, Any]], None]
 _listeners: list[Listener] = []  # this process's (`listen`): the metrics of a daemon
 
 
 def emit(event: str, **fields: Any) -> None:
     """Print `{"event": event, "time": <unix seconds>, **fields}` as one line and flush; then tell the
-    listeners."""
+    listeners. Raises `event_schema.EventSchemaError` if the event breaks the schema (a bug)."""
+    check_fields(event, fields)
     sys.stdout.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
     sys.stdout.flush()
     for listener in _listeners:

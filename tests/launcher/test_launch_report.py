@@ -13,17 +13,8 @@ import pytest
 
 import swarmnode.status
 from swarmnode.cli.up import summary
+from swarmnode.event_schema import Step, parse_line
 from swarmnode.launcher import observe
-from swarmnode.launcher.daemon_events import (
-    Joining,
-    MicrobatchLost,
-    Online,
-    OuterStep,
-    Recovered,
-    Step,
-    Validation,
-    parse_event,
-)
 from swarmnode.launcher.display import Display, StageCount, status_line
 from swarmnode.launcher.local_swarm import RunOutcome, SwarmResult
 from swarmnode.launcher.observe import parse_snapshot
@@ -35,50 +26,6 @@ START = 1_700_000_000.0
 
 def line(event: str, at: float, **fields: object) -> str:
     return json.dumps({"event": event, **fields, "time": START + at})
-
-
-def test_parse_event_reads_the_daemons_lines() -> None:
-    assert parse_event(line("joining", 1, phase="stage", stage=2, seconds=3.2), 0) == Joining(2, START + 1)
-    assert parse_event(line("joining", 1, phase="dht", seconds=1.0), 0) is None
-    online = Online(2, "12D3KooWx", START + 1)
-    assert parse_event(line("online", 1, stage=2, peer_id="12D3KooWx"), 0) == online
-    assert parse_event(line("step", 2, step=12, loss=5.1, tokens=4096), 0) == Step(12, 5.1, 4096, START + 2)
-    assert parse_event(line("step", 2, step=12, loss=None, tokens=0), 0) == Step(12, None, 0, START + 2)
-    timed = Step(3, 5.0, 8, START + 2, seconds=1.25)
-    assert parse_event(line("step", 2, step=3, loss=5.0, tokens=8, seconds=1.25), 0) == timed
-    assert parse_event(line("step", 2, step=3, loss=5.0, tokens=8, seconds=-1), 0) == Step(
-        3, 5.0, 8, START + 2
-    )
-    assert parse_event(line("validation", 3, step=0, val_loss=8.3), 0) == Validation(0, 8.3, START + 3)
-    recovered = line("recovered", 4, stage=2, method="checkfree", seconds=2.1, peer_id="p")
-    assert parse_event(recovered, 0) == Recovered(2, "checkfree", 2.1, START + 4)
-    assert parse_event(line("microbatch_lost", 5, step=7, count=3), 0) == MicrobatchLost(7, 3, START + 5)
-    assert parse_event(line("microbatch_lost", 5, step=7), 0) == MicrobatchLost(7, 1, START + 5)
-    assert parse_event('{"event": "step", "step": 1, "tokens": 8}', 42.0) == Step(1, None, 8, 42.0)
-    outer = line("outer_step", 6, stage=1, outer_step=3, paired=True, matched=True, partner="p", reason="")
-    assert parse_event(outer, 0) == OuterStep(1, 3, True, True, START + 6)
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "",
-        "INFO hivemind started",
-        "{not json",
-        "[1, 2]",
-        '{"event": "unknown"}',
-        '{"event": "step", "step": "3", "tokens": 1}',
-        '{"event": "step", "step": -1, "tokens": 1}',
-        '{"event": "step", "step": true, "tokens": 1}',
-        '{"event": "validation", "step": 3, "val_loss": NaN}',
-        '{"event": "microbatch_lost", "step": 3, "count": -2}',
-        '{"event": "recovered", "stage": 2, "method": "magic", "seconds": 1}',
-        '{"event": "online", "stage": 1}',
-        '{"event": "outer_step", "stage": 1, "outer_step": 2, "paired": 1, "matched": true}',
-    ],
-)
-def test_parse_event_ignores_everything_else(text: str) -> None:
-    assert parse_event(text, 0.0) is None
 
 
 def recorded_run() -> RunRecord:
@@ -104,7 +51,7 @@ def recorded_run() -> RunRecord:
             )
         lines.append(line("outer_step", 10.0 * outer, stage=0, outer_step=outer, paired=False, matched=False))
     for text in sorted(lines, key=lambda text: json.loads(text)["time"]):
-        event = parse_event(text, 0.0)
+        event = parse_line(text, 0.0)
         assert event is not None
         record.add(event)
         if isinstance(event, Step) and event.step == 15 and event.loss == 8.0 - 0.75:
