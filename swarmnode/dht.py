@@ -9,8 +9,9 @@ import logging
 import re
 import tempfile
 from collections.abc import Awaitable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Literal, TypeVar
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -77,6 +78,68 @@ def read_initial_peers(value: str | None) -> list[str]:
     return peers
 
 
+@dataclass(frozen=True)
+class Reach:
+    """How a node makes itself reachable, as passed to hivemind's libp2p daemon.
+
+    announce_maddrs: the multiaddrs peers should dial (`/ip4/PUBLIC_IP/tcp/PORT`, with an explicit port),
+        instead of the addresses listened on; for a port forwarded through a NAT.
+    use_relay: dial peers through relays when they cannot be reached directly, and (where this node is
+        publicly reachable) relay for others.
+    use_auto_relay: behind a NAT: reserve a slot on relays (`relays`, else the initial peers, and peers
+        found on the DHT) so that peers can open connections to this node through them.
+    reachability: "public" or "private" overrides libp2p's AutoNAT, which never decides on private
+        address ranges; a node serves as a relay only while it counts as public.
+    relays: multiaddrs (ending in /p2p/ID) of relays to reserve a slot on, with `use_auto_relay`.
+    """
+
+    announce_maddrs: tuple[str, ...] = ()
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    reachability: Literal["auto", "public", "private"] = "auto"
+    relays: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for addr in self.announce_maddrs:
+            try:
+                port = Multiaddr(addr).value_for_protocol("tcp")
+            except Exception:  # multiaddr raises several unrelated types for bad input
+                port = None
+            if not port or port == "0":
+                raise ValueError(
+                    f"{addr[:200]!r} is not a multiaddr with an explicit TCP port, "
+                    "like /ip4/203.0.113.7/tcp/31337"
+                )
+        for addr in self.relays:
+            if _peer_id_of(addr) is None:
+                raise ValueError(f"relay {addr[:200]!r} is not a multiaddr with a peer id")
+        if self.relays and not self.use_auto_relay:
+            raise ValueError("relays are used only with use_auto_relay")
+        if self.use_auto_relay and not self.use_relay:
+            raise ValueError("use_auto_relay needs use_relay")
+
+    def p2p_kwargs(self, initial_peers: Sequence[str]) -> dict[str, Any]:
+        """Keyword arguments of `hivemind.DHT` (passed on to `hivemind.P2P.create`)."""
+        kwargs: dict[str, Any] = {"use_relay": self.use_relay, "use_auto_relay": self.use_auto_relay}
+        if self.announce_maddrs:
+            kwargs["announce_maddrs"] = list(self.announce_maddrs)
+        if self.reachability != "auto":
+            kwargs["force_reachability"] = self.reachability
+        if self.use_auto_relay and (self.relays or initial_peers):
+            kwargs["trusted_relays"] = list(self.relays or initial_peers)
+        return kwargs
+
+    def announced_ports(self) -> tuple[int, ...]:
+        """The TCP ports named by `announce_maddrs`, in order, without repeats."""
+        ports = (int(Multiaddr(addr).value_for_protocol("tcp")) for addr in self.announce_maddrs)
+        return tuple(dict.fromkeys(ports))
+
+
+def peer_ids_of(addresses: Sequence[str]) -> list[PeerID]:
+    """The peer ids that multiaddrs end in (those without one left out), without repeats."""
+    return list(dict.fromkeys(peer for peer in map(_peer_id_of, addresses) if peer is not None))
+
+
 def _peer_id_of(address: str) -> PeerID | None:
     try:
         return PeerID.from_base58(Multiaddr(address).value_for_protocol("p2p"))
@@ -114,6 +177,7 @@ class SwarmDHT:
     restarts) or made fresh: p2pd takes it as its libp2p identity, and the validator signs this node's
     records with it. `run_owners` are the peer ids whose run definition this node
     accepts (by default the peers named in `initial_peers`: the bootstrap's address names the run's owner).
+    `reach`: announced addresses and relays (`Reach`); by default hivemind's (relays used, none reserved).
     """
 
     def __init__(
@@ -126,8 +190,10 @@ class SwarmDHT:
         client_mode: bool = False,
         identity_path: Path | None = None,
         run_owners: Sequence[str] = (),
+        reach: Reach | None = None,
     ) -> None:
         self.run_id = run_id
+        self.reach = reach or Reach()
         msgpack_guard.install()  # before the DHT process forks: hivemind's own handlers decode peer bytes
         self.identity = Identity.load_or_create(identity_path) if identity_path else Identity.generate()
         self.run_owners = frozenset(run_owners) or frozenset(
@@ -147,6 +213,7 @@ class SwarmDHT:
                     check_if_identity_free=identity_path is not None,
                     await_ready=True,
                     shutdown_timeout=1.0,
+                    **self.reach.p2p_kwargs(initial_peers),
                 )
             except P2PDaemonError as error:  # p2pd exited at start: its last words say why
                 raise DHTUnavailable(_start_failure(str(error), host, port)) from None
@@ -158,8 +225,9 @@ class SwarmDHT:
     def alive(self) -> bool:
         return self.dht.is_alive()
 
-    def visible_maddrs(self) -> list[str]:
-        return [str(addr) for addr in self.dht.get_visible_maddrs()]
+    def visible_maddrs(self, latest: bool = False) -> list[str]:
+        """This node's multiaddrs as its p2pd gives them (`latest`: asked now, not as cached at start)."""
+        return [str(addr) for addr in self.dht.get_visible_maddrs(latest=latest)]
 
     async def publish(self, record: NodeRecord, ttl: float) -> bool:
         return await _bounded(

@@ -14,10 +14,12 @@ from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.config_file import config_option
 from swarmnode.cli.log_options import logging_options
 from swarmnode.cli.network_options import network_options
+from swarmnode.cli.reach_options import reach_options
 from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 if TYPE_CHECKING:
     from protocols.links import Network
+    from swarmnode.dht import Reach
     from swarmnode.node.seed import SeedWeights
 
 PEERS_HELP = "Multiaddrs (comma separated) or a file with one per line; also $SWARMNODE_INITIAL_PEERS."
@@ -150,6 +152,7 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option("--identity", type=click.Path(path_type=Path), default=None, help=IDENTITY_HELP)
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help=METRICS_PORT_HELP)
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help=METRICS_HOST_HELP)
+@reach_options
 @logging_options
 def bootstrap(
     preset: str | None,
@@ -174,6 +177,7 @@ def bootstrap(
     identity: Path | None,
     metrics_port: int | None,
     metrics_host: str,
+    reach: Reach,
 ) -> None:
     """Run the swarm's entry peer: publish the run definition and print the multiaddrs to join.
 
@@ -212,7 +216,7 @@ def bootstrap(
         spec = spec.with_overrides(init_digests=",".join(seed.digests))
     try:
         metrics = None if metrics_port is None else (metrics_host, metrics_port)
-        code = _run_async(run_bootstrap(spec, host, port, public, peers_file, identity, seed, metrics))
+        code = _run_async(run_bootstrap(spec, host, port, public, peers_file, identity, seed, metrics, reach))
     except DHTUnavailable as error:
         raise click.ClickException(str(error)) from None
     except TimeoutError:
@@ -305,6 +309,7 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @device_option
 @dtype_option("This node's compute dtype (autocast; weights stay float32). Default: the run's.")
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
+@reach_options
 @logging_options
 @network_options
 def join(
@@ -329,6 +334,7 @@ def join(
     dump_recovery: Path | None,
     network: Network | None,
     site: str | None,
+    reach: Reach,
 ) -> None:
     """Run one daemon serving a stage of the run the initial peers belong to."""
     from swarmnode.data import DataError
@@ -360,6 +366,7 @@ def join(
         dtype=dtype,
         network=network,
         site=site,
+        reach=reach,
     )
     try:
         code = _run_async(run_join(options))

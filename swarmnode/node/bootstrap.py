@@ -13,9 +13,10 @@ import os
 import signal
 from pathlib import Path
 
-from swarmnode.dht import SwarmDHT
+from swarmnode.dht import Reach, SwarmDHT
 from swarmnode.node.events import emit
 from swarmnode.node.metrics import DaemonMetrics
+from swarmnode.node.reachability import ReachServer
 from swarmnode.node.seed import SeedServer, SeedWeights
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Transport, TransportConfig
@@ -43,11 +44,13 @@ async def run_bootstrap(
     identity: Path | None = None,
     seed: SeedWeights | None = None,
     metrics: tuple[str, int] | None = None,
+    reach: Reach | None = None,
 ) -> int:
     """Publish the run until SIGINT/SIGTERM (exit code 0), or until the DHT fails (1); the DHT is shut down
     on every way out, errors included. The bootstrap's key (kept in `identity`, if given) owns the run.
     With `seed` (the run starts from weights, `spec.init_digests`), it also serves them (`node.seed`);
-    with `metrics` (host, port), Prometheus metrics of its version and role (`node.metrics`)."""
+    with `metrics` (host, port), Prometheus metrics of its version and role (`node.metrics`); with `reach`,
+    its announced addresses and relay settings (`dht.Reach`). It answers joiners' reachability checks."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -60,9 +63,10 @@ async def run_bootstrap(
             logger.error("cannot serve metrics on %s:%d: %s", *metrics, error.strerror or error)
             return 1
         emit("metrics", url=f"http://{metrics[0]}:{metrics_port}/metrics", port=metrics_port)
-    dht = SwarmDHT(spec.run_id, (), host, port, public, identity_path=identity)
+    dht = SwarmDHT(spec.run_id, (), host, port, public, identity_path=identity, reach=reach)
     transport: Transport | None = None
     try:
+        await ReachServer().start(await dht.replicate_p2p())
         if seed is not None:
             direct = host if host in LOOPBACK else None
             transport = Transport(await dht.replicate_p2p(), TransportConfig(direct_host=direct))
@@ -96,4 +100,4 @@ async def run_bootstrap(
     finally:
         if transport is not None:
             await transport.close()
-        dht.shutdown()
+        await dht.close()

@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,7 +16,7 @@ from protocols.links import Network
 from protocols.membership import Claim, ClaimAction, Looked, Member, StageClaim, Take
 from protocols.messages import NodeRecord, NodeState
 from swarmnode.data import check_splits, load_corpus
-from swarmnode.dht import SwarmDHT
+from swarmnode.dht import Reach, SwarmDHT, peer_ids_of
 from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
 from swarmnode.node.events import emit, listen
@@ -24,6 +24,7 @@ from swarmnode.node.liveness import answering
 from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.node.orphans import adopt_orphans, end_orphans
 from swarmnode.node.planning import Snapshot
+from swarmnode.node.reachability import ReachServer, report_reachability
 from swarmnode.node.stage import StageNode
 from swarmnode.precision import Precision
 from swarmnode.runspec import RunSpec
@@ -65,6 +66,7 @@ class JoinOptions:
     dtype: str | None = None  # this node's compute dtype; None: the run's
     network: Network | None = None  # emulated links (`--network`): sends to peers at other sites wait
     site: str | None = None  # this node's site in `network`, announced in its records
+    reach: Reach = field(default_factory=Reach)  # announced addresses, relays (`--announce-maddrs`, ...)
 
 
 async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, tuple[Member, ...]]:
@@ -125,10 +127,14 @@ async def run_join(options: JoinOptions) -> int:
         options.public,
         identity_path=options.identity,
         run_owners=options.run_owners,
+        reach=options.reach,
     )
     metrics = _serve_metrics(options)
     emit("joining", phase="dht", seconds=round(time.monotonic() - started, 3))
+    check: asyncio.Task[object] | None = None
     try:
+        await ReachServer().start(await dht.replicate_p2p())
+        check = asyncio.create_task(report_reachability(dht, peer_ids_of(options.initial_peers)))
         spec = await dht.wait_for_run(RUN_WAIT_S)
         stage = await claim_stage(dht, spec) if options.stage is None else options.stage
         emit("joining", phase="stage", stage=stage, seconds=round(time.monotonic() - started, 3))
@@ -158,6 +164,8 @@ async def run_join(options: JoinOptions) -> int:
                 emit("moving", from_stage=node.stage, to_stage=next_stage)
         return 0
     finally:
+        if check is not None:
+            check.cancel()
         await dht.close()
 
 

@@ -38,6 +38,7 @@ GRANT_METHOD = "_direct"
 # First bytes on a direct TCP connection: magic and the one-time token.
 _HELLO = struct.Struct("<4s16s")
 _HELLO_MAGIC = b"SWND"
+CONNECT_TIMEOUT_S = 3.0  # a TCP connect to a peer's direct port; one without answer means no direct path
 
 ServeStream = Callable[[PeerID, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 """Serves one inbound stream from an authenticated peer: (caller, reader, writer)."""
@@ -159,7 +160,11 @@ class DirectDialer:
         if not (isinstance(port, int) and 0 < port < 65536 and isinstance(token, bytes) and len(token) == 16):
             raise WireError("bad direct-path grant")
         self._pool.make_room(peer_id)
-        reader, writer = await asyncio.open_connection(host, port)
+        try:  # behind a NAT that drops unsolicited packets a connect hangs: fall back to libp2p in time
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(host, port)
+        except TimeoutError:
+            raise _NoDirectPath(f"no TCP answer from {host}:{port}") from None
         prepare_writer(writer)
         writer.write(_HELLO.pack(_HELLO_MAGIC, token))
         self._stats.streams_opened["direct"] += 1

@@ -37,6 +37,7 @@ from protocols.messages import (
     decode,
     encode,
 )
+from protocols.reach import ReachReply, ReachRequest
 
 HIDDEN = TensorSpec("hidden", (4, 128, 64), "bfloat16")
 PHI = (TensorSpec("layers.0.w", (64, 64), "float32"), TensorSpec("layers.0.b", (64,), "float32"))
@@ -77,6 +78,8 @@ EXAMPLES = [
         links=(LinkCost("12D3KooWpeer", 0.25), LinkCost("12D3KooWother", 0.0)),
     ),
     StateTransfer("run-1", 2, (StatePart.WEIGHTS, StatePart.OPTIMIZER), 7, 1, 0.5, PHI, lr_factor=1.1),
+    ReachRequest((31337, 4001)),
+    ReachReply("203.0.113.7", (31337,)),
     Route("run-1", 7, 3, (*PATH, PATH[0]), 1),
 ]
 ROUTE = EXAMPLES[-1]
