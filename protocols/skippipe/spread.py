@@ -10,10 +10,12 @@ iterations every data node reaches every replica; within one, a draw costs at mo
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 from collections.abc import Mapping
 
+from protocols.errors import LocalProtocolError
 from protocols.skippipe.plan import Paths
 from protocols.skippipe.swarm import SwarmView
 
@@ -62,25 +64,78 @@ def granted(paths: Paths, view: SwarmView, draws: Draws) -> Paths:
     return paths
 
 
-def mix_replicas(paths: Paths, view: SwarmView, rng: random.Random) -> Paths:
-    """`paths` with the replicas of every replicated stage dealt out again at random over the microbatches
-    that visit that stage. Every replica keeps its number of visits (the plan's load and its memory use),
-    but which microbatch, and so which data node, visits which replica is drawn anew each iteration: a
-    collision-aware plan tends to give each data node a lane of its own through the replicas, and replicas
-    that only ever see one data node's batches are separate models averaged now and then (NoLoCo wants the
-    data of every data node mixed over all replicas)."""
+EVEN_WITHIN = 1.5  # replicas within this factor of their stage's cheapest are dealt an even share
+
+
+def mix_replicas(
+    paths: Paths, view: SwarmView, rng: random.Random, even_within: float = EVEN_WITHIN
+) -> Paths:
+    """`paths` with the replicas of every replicated stage dealt out again over the microbatches that visit
+    that stage: evenly over the replicas that cost alike, and evenly per data node.
+
+    A plan is indifferent between replicas that cost alike (or prefers one by the noise in their measured
+    speeds): with one data node of two microbatches it sent both through one replica of a stage, whose
+    partner then never trained. The replicas whose cost (`hop_cost`) is within `even_within` of the
+    stage's cheapest share the visits the plan gave them evenly; a replica that costs more (slow, or far
+    away) keeps the plan's load. An even share never exceeds the largest load the plan gave, so no memory
+    limit breaks.
+
+    The deal is round robin: the replicas, in a random order, each take one visit in turn (while they have
+    visits left), and the microbatches, grouped by data node in a random order, take the visits in that
+    sequence. So a data node's microbatches through a stage reach as many different replicas as the loads
+    allow, and every replica sees as many data nodes as it can. A stage node takes one update per data node
+    it served in a tick (each data node's microbatches are one gradient group), so a random deal (where two
+    of a replica's visits often came from one data node) cost it updates. Over the iterations every data
+    node reaches every replica (NoLoCo wants the data of every data node mixed over all replicas)."""
+    if not (math.isfinite(even_within) and even_within >= 1.0):
+        raise LocalProtocolError(f"even_within must be a finite factor >= 1, got {even_within!r}")
     mixed = {mb: list(path) for mb, path in paths.items()}
     for stage in range(1, view.n_stages + 1):
         if len(view.stages[stage]) < 2:
             continue
-        slots = [
-            (mb, i)
-            for mb, path in sorted(mixed.items())
-            for i in range(1, len(path) - 1)
-            if view.stage_of[path[i]] == stage
-        ]
-        nodes = [mixed[mb][i] for mb, i in slots]
-        rng.shuffle(nodes)
-        for (mb, i), node in zip(slots, nodes, strict=True):
-            mixed[mb][i] = node
+        by_data: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
+        loads = dict.fromkeys(view.stages[stage], 0)
+        for mb, path in sorted(mixed.items()):
+            for i in range(1, len(path) - 1):
+                if view.stage_of[path[i]] == stage:
+                    by_data[path[0]].append((mb, i))
+                    loads[path[i]] += 1
+        loads = _evened(loads, {r: hop_cost(view, r) for r in loads}, even_within, rng)
+        replicas = sorted(r for r, load in loads.items() if load)
+        rng.shuffle(replicas)
+        deal: list[int] = []
+        while any(loads.values()):
+            for replica in replicas:
+                if loads[replica]:
+                    deal.append(replica)
+                    loads[replica] -= 1
+        data_nodes = sorted(by_data)
+        rng.shuffle(data_nodes)
+        slots = []
+        for data in data_nodes:
+            rng.shuffle(by_data[data])
+            slots += by_data[data]
+        for (mb, i), replica in zip(slots, deal, strict=True):
+            mixed[mb][i] = replica
     return {mb: tuple(path) for mb, path in mixed.items()}
+
+
+def hop_cost(view: SwarmView, node: int) -> float:
+    """What one visit to `node` costs: its forward and backward compute and the mean link cost to and from
+    the nodes of the other stages."""
+    others = [v for v in range(len(view.forward_s)) if view.stage_of[v] != view.stage_of[node]]
+    links = sum(view.link_s[v][node] + view.link_s[node][v] for v in others) / max(1, len(others))
+    return view.forward_s[node] * (1.0 + view.backward_factor) + links
+
+
+def _evened(
+    loads: dict[int, int], costs: dict[int, float], even_within: float, rng: random.Random
+) -> dict[int, int]:
+    """`loads` with the total of the replicas that cost alike spread evenly over them (the remainder to
+    replicas drawn at random); the others keep theirs."""
+    cheapest = min(costs.values())
+    alike = sorted(r for r in loads if costs[r] <= cheapest * even_within)
+    total = sum(loads[r] for r in alike)
+    share, extra = divmod(total, len(alike))
+    rng.shuffle(alike)
+    return {**loads, **{r: share + (1 if n < extra else 0) for n, r in enumerate(alike)}}

@@ -208,7 +208,7 @@ def test_impossible_requests_raise(rules: PathRules, kwargs: dict) -> None:
         schedule(view, rules, 0, **kwargs)
 
 
-def test_mixing_replicas_keeps_every_load_and_moves_data_nodes_off_their_lanes() -> None:
+def test_mixing_replicas_keeps_every_load_and_spreads_each_data_node_over_the_replicas() -> None:
     # two data nodes of two microbatches, two replicas per stage: a lane per data node is collision-free
     view = SwarmView.build([[0, 1], [2, 3], [4, 5]], [0.1] * 6, lambda a, b: 0.01)
     lanes = {0: (0, 2, 4, 0), 1: (0, 2, 4, 0), 2: (1, 3, 5, 1), 3: (1, 3, 5, 1)}
@@ -219,6 +219,9 @@ def test_mixing_replicas_keeps_every_load_and_moves_data_nodes_off_their_lanes()
         assert all(path[0] == lanes[mb][0] and path[-1] == lanes[mb][-1] for mb, path in mixed.items())
         assert all(view.stage_of[path[1]] == 1 and view.stage_of[path[2]] == 2 for path in mixed.values())
         seen |= {(path[0], path[1]) for path in mixed.values()}
+        for data in (0, 1):  # each data node's two microbatches reach both replicas of every stage
+            for hop in (1, 2):
+                assert len({path[hop] for path in mixed.values() if path[0] == data}) == 2
     assert seen == {(0, 2), (0, 3), (1, 2), (1, 3)}  # every data node reached every replica
     assert mix_replicas(lanes, view, random.Random(3)) == mix_replicas(lanes, view, random.Random(3))
 
@@ -256,3 +259,25 @@ def test_a_large_swarm_of_sixteen_stages_gets_a_valid_plan() -> None:
     assert validate_plan(plan, view, rules) == []
     assert plan.iteration_time_s < full_pipeline_plan(view, rules).iteration_time_s
     assert any(is_checkfree_plus(order, 16) for order in stage_orders(view, dict(plan.paths)))
+
+
+def test_mixing_replicas_evens_the_loads_of_replicas_that_cost_alike() -> None:
+    # three data nodes of two microbatches; the plan sent 3, 2 and 1 visits to three equal replicas
+    view = SwarmView.build([[0, 1, 2], [3, 4, 5]], [0.1] * 6, lambda a, b: 0.01)
+    lanes = {0: (0, 3, 0), 1: (0, 3, 0), 2: (1, 3, 1), 3: (1, 4, 1), 4: (2, 4, 2), 5: (2, 5, 2)}
+    for seed in range(20):
+        mixed = mix_replicas(lanes, view, random.Random(seed))
+        assert sorted(path[1] for path in mixed.values()) == [3, 3, 4, 4, 5, 5]
+        for data in (0, 1, 2):  # each data node's pair reaches two replicas
+            assert len({path[1] for path in mixed.values() if path[0] == data}) == 2
+
+
+def test_mixing_replicas_keeps_the_load_of_a_replica_that_costs_more() -> None:
+    # one data node of four microbatches; replica 3 is three times slower and got one visit of four
+    view = SwarmView.build([[0], [1, 2, 3]], [0.1, 0.1, 0.1, 0.3], lambda a, b: 0.01)
+    lanes = {0: (0, 1, 0), 1: (0, 1, 0), 2: (0, 1, 0), 3: (0, 3, 0)}
+    for seed in range(10):
+        mixed = mix_replicas(lanes, view, random.Random(seed))
+        assert sorted(path[1] for path in mixed.values()) in ([1, 1, 2, 3], [1, 2, 2, 3])
+    with pytest.raises(LocalProtocolError):
+        mix_replicas(lanes, view, random.Random(0), even_within=0.5)
