@@ -315,7 +315,6 @@ def main() -> None:
     runs = run_swarms(plan, args) if args.swarm_runs is None else earlier_runs(args.swarm_runs, plan)
 
     rows = summarise(runs, shapes, args.settings, seeds, trainer, steps)
-    rows = summarise(runs, shapes, args.settings, seeds, trainer, steps)
     tables = [
         f"Validation loss at data-node step {steps} ({args.preset}, {args.n_stages} stages, seeds "
         f"{args.seeds}); ratios are means of per-seed ratios; `!`: replicas worse by more than "
