@@ -41,7 +41,13 @@ def unavailable_reason() -> str | None:
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
         return f"`ip netns add` fails here: {made.stderr.strip()[:200]}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        rule = ["iptables", "-A", "INPUT", *_REPLIES, "-j", "ACCEPT"]
+        done = subprocess.run(["ip", "netns", "exec", probe, *rule], capture_output=True, text=True)
+        if done.returncode != 0:
+            return f"iptables (conntrack) fails in a namespace here: {done.stderr.strip()[:200]}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
