@@ -110,8 +110,21 @@ class FakeDHT:
     def visible_maddrs(self) -> list[str]:
         return [PEER]
 
+    async def replicate_p2p(self) -> FakeP2P:
+        return FakeP2P()
+
     def shutdown(self) -> None:
         self.shut_down = True
+
+    async def close(self) -> None:
+        self.shutdown()
+
+
+class FakeP2P:
+    """The fake DHT's p2pd client: takes stream handlers (the bootstrap serves reachability checks)."""
+
+    async def add_binary_stream_handler(self, name: str, handler: object) -> None:
+        pass
 
 
 @pytest.fixture
