@@ -9,7 +9,9 @@ that are unsigned, signed by another key, expire more than `MAX_EXPIRY_S` ahead,
 schema. A node that stops refreshing vanishes when its record expires; there is no delete.
 
 The run definition is a record under `{run}.run`; anyone may store one, so readers take it only from the
-run's owner (`SwarmDHT.read_run`).
+run's owner (`SwarmDHT.read_run`). Standby nodes (`join --standby`) publish a
+`protocols.standby.StandbyRecord` under `{run}.standby`, signed and checked the same way
+(`swarmnode.standbys`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from protocols.errors import ProtocolError
 from protocols.messages import MAX_RECORD_BYTES, NodeRecord, decode
+from protocols.standby import StandbyRecord
 from swarmnode.identity import SIGNATURE_BYTES, Identity, verify
 from swarmnode.peer_record import PeerRecord
 from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
@@ -43,6 +46,10 @@ def stage_key(run_id: str, stage: int) -> str:
 
 def run_key(run_id: str) -> str:
     return f"{run_id}.run"
+
+
+def standby_key(run_id: str) -> str:
+    return f"{run_id}.standby"
 
 
 def subkey_of(peer_id: str) -> bytes:
@@ -89,6 +96,13 @@ def decode_record(value: object) -> NodeRecord:
     return decode(value, NodeRecord, max_bytes=MAX_RECORD_BYTES)
 
 
+def decode_standby(value: object) -> StandbyRecord:
+    """A standby record from a DHT value; raises ProtocolError for anything else."""
+    if not isinstance(value, bytes):
+        raise ProtocolError(f"a standby record must be bytes, got {type(value).__name__}")
+    return decode(value, StandbyRecord, max_bytes=MAX_RECORD_BYTES)
+
+
 def decode_run(value: object) -> RunSpec:
     """A run definition from a DHT value; raises RunSpecError for anything else."""
     if not isinstance(value, bytes) or len(value) > MAX_RECORD_BYTES:
@@ -109,11 +123,12 @@ class SwarmRecordValidator(RecordValidatorBase):
             DHTID.generate(source=stage_key(run_id, k)).to_bytes() for k in range(MAX_STAGES + 1)
         }
         self._run_key = DHTID.generate(source=run_key(run_id)).to_bytes()
+        self._standby_key = DHTID.generate(source=standby_key(run_id)).to_bytes()
         self._identity = identity
         self._own_subkey = MSGPackSerializer.dumps(subkey_of(identity.peer_id))
 
     def _ours(self, record: DHTRecord) -> bool:
-        return record.key in self._stage_keys or record.key == self._run_key
+        return record.key in self._stage_keys or record.key in (self._run_key, self._standby_key)
 
     def validate(self, record: DHTRecord) -> bool:
         if not self._ours(record):
@@ -144,6 +159,8 @@ class SwarmRecordValidator(RecordValidatorBase):
             # signed by its owner: kept even if of another version, so a joiner learns why it cannot join
             with contextlib.suppress(RunVersionMismatch):
                 decode_run(value)
+        elif record.key == self._standby_key:
+            decode_standby(value)
         else:
             decode_record(value)
 

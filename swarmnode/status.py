@@ -10,10 +10,17 @@ from protocols.messages import NodeState
 from swarmnode.dht import SwarmDHT
 from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
+from swarmnode.standbys import StandbyPeer, read_standbys
 
 
-def swarm_summary(run_id: str, spec: RunSpec | None, stages: dict[int, list[PeerRecord]]) -> dict[str, Any]:
-    """The `status --json` object: every stage's peers, whether every stage has an online node, the loss."""
+def swarm_summary(
+    run_id: str,
+    spec: RunSpec | None,
+    stages: dict[int, list[PeerRecord]],
+    standbys: Sequence[StandbyPeer] = (),
+) -> dict[str, Any]:
+    """The `status --json` object: every stage's peers, whether every stage has an online node, the loss,
+    and the standby nodes (`taken`: the stage one took lately; null while it stands by)."""
     n_stages = spec.stages if spec is not None else max(stages, default=0)
     out_stages = []
     losses = []
@@ -50,6 +57,9 @@ def swarm_summary(run_id: str, spec: RunSpec | None, stages: dict[int, list[Peer
         "complete": complete,
         "loss": max(losses)[1] if losses else None,
         "stages": out_stages,
+        "standbys": [
+            {"peer_id": p.peer_id, "taken": p.record.taken, "site": p.record.site} for p in standbys
+        ],
         "run": spec.to_dict() if spec is not None else None,
     }
 
@@ -76,6 +86,9 @@ def format_table(summary: dict[str, Any]) -> str:
                 f"{peer['outer_step']:>5} {loss:>8} {peer['tokens_per_second']:>9.0f} "
                 f"{peer['queue_depth']:>5}"
             )
+    for standby in summary.get("standbys", ()):
+        state = "standby" if standby["taken"] is None else f"took {standby['taken']}"
+        lines.append(f"{'-':>5}  ..{standby['peer_id'][-12:]:<12} {state:<10}")
     return "\n".join(lines)
 
 
@@ -91,7 +104,8 @@ class SwarmObserver:
         if self._spec is None:
             self._spec = await self._dht.read_run()
         n_stages = self._spec.stages if self._spec is not None else 0
-        return swarm_summary(self.run_id, self._spec, await self._dht.read_swarm(n_stages))
+        stages, standbys = await asyncio.gather(self._dht.read_swarm(n_stages), read_standbys(self._dht))
+        return swarm_summary(self.run_id, self._spec, stages, standbys)
 
     def snapshot(self) -> dict[str, Any]:
         return asyncio.run(self.read())

@@ -272,7 +272,7 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 
 @click.command()
 @config_option
-@click.option("--stage", required=True, help="Stage to serve: 0 (data), 1..S, or 'auto'.")
+@click.option("--stage", default=None, help="Stage to serve: 0 (data), 1..S, or 'auto'.")
 @click.option("--initial-peers", envvar="SWARMNODE_INITIAL_PEERS", default=None, help=PEERS_HELP)
 @click.option("--run-id", default="swarm", show_default=True, help=RUN_ID_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -296,6 +296,12 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @click.option(
     "--rebalance", is_flag=True, help="Move to a stage that lost all its nodes if this one has spares."
 )
+@click.option(
+    "--standby",
+    is_flag=True,
+    help="Hold no stage: start, join the DHT and take over a transformer stage the moment its last node is "
+    "gone (rebuilt as a replacement would). No --stage, or --stage auto.",
+)
 @click.option("--identity", type=click.Path(path_type=Path), default=None, help=IDENTITY_HELP)
 @click.option("--run-owner", "run_owners", multiple=True, envvar="SWARMNODE_RUN_OWNER", help=OWNER_HELP)
 @click.option(
@@ -313,7 +319,7 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @logging_options
 @network_options
 def join(
-    stage: str,
+    stage: str | None,
     initial_peers: str | None,
     run_id: str,
     host: str,
@@ -324,6 +330,7 @@ def join(
     shard: str | None,
     tokenizer: Path | None,
     rebalance: bool,
+    standby: bool,
     identity: Path | None,
     run_owners: tuple[str, ...],
     linger: bool,
@@ -342,7 +349,13 @@ def join(
     from swarmnode.node.run import JoinOptions, run_join
     from swarmnode.node.seed import SeedError
 
-    stage_id = _stage(stage)
+    if stage is None and not standby:
+        raise click.UsageError("Missing option '--stage' (or give --standby).")
+    stage_id = None if stage is None else _stage(stage)
+    if standby and stage_id is not None:
+        raise click.BadParameter(
+            "a standby takes whichever stage is lost: give no --stage", param_hint="--stage"
+        )
     device_or_fail(device)
     options = JoinOptions(
         run_id=run_id,
@@ -357,6 +370,7 @@ def join(
         tokenizer=tokenizer,
         dump_recovery=dump_recovery,
         rebalance=rebalance,
+        standby=standby,
         identity=_identity_or_fail(identity),
         run_owners=_owners_or_fail(run_owners),
         linger=linger,

@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from protocols.links import Network
 from protocols.membership import Claim, ClaimAction, Looked, Member, StageClaim, Take
 from protocols.messages import NodeRecord, NodeState
 from swarmnode.data import check_splits, load_corpus
+from swarmnode.datasource import cache_dir
 from swarmnode.dht import Reach, SwarmDHT, peer_ids_of
 from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
@@ -26,8 +27,10 @@ from swarmnode.node.orphans import adopt_orphans, end_orphans
 from swarmnode.node.planning import Snapshot
 from swarmnode.node.reachability import ReachServer, report_reachability
 from swarmnode.node.stage import StageNode
+from swarmnode.node.standby import stand_by
 from swarmnode.precision import Precision
 from swarmnode.runspec import RunSpec
+from swarmnode.tokenizer_fetch import TokenizerServer, obtain_tokenizer
 from swarmnode.transport import LinkEmulator, Transport
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,7 @@ class JoinOptions:
     network: Network | None = None  # emulated links (`--network`): sends to peers at other sites wait
     site: str | None = None  # this node's site in `network`, announced in its records
     reach: Reach = field(default_factory=Reach)  # announced addresses, relays (`--announce-maddrs`, ...)
+    standby: bool = False  # hold no stage; take one that loses its last node (`node.standby`)
 
 
 async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, tuple[Member, ...]]:
@@ -112,7 +116,8 @@ async def run_join(options: JoinOptions) -> int:
     """Run one daemon until its data node finishes the run, or until SIGINT/SIGTERM. Returns an exit code.
 
     With `options.rebalance`, a transformer-stage node whose stage has another live replica moves to a stage
-    that has lost all its nodes (it leaves, then rejoins that stage and rebuilds it).
+    that has lost all its nodes (it leaves, then rejoins that stage and rebuilds it). With `options.standby`,
+    the node first stands by (`node.standby.stand_by`) until it takes a lost stage.
     """
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -136,29 +141,39 @@ async def run_join(options: JoinOptions) -> int:
         await ReachServer().start(await dht.replicate_p2p())
         check = asyncio.create_task(report_reachability(dht, peer_ids_of(options.initial_peers)))
         spec = await dht.wait_for_run(RUN_WAIT_S)
-        stage = await claim_stage(dht, spec) if options.stage is None else options.stage
+        building: asyncio.Future[Node] | None = None
+        if options.standby:
+            taken = await _stand_by(options, spec, dht)
+            if taken is None:
+                return 0 if dht.alive else _dht_died()
+            stage, building = taken
+        else:
+            stage = await claim_stage(dht, spec) if options.stage is None else options.stage
         emit("joining", phase="stage", stage=stage, seconds=round(time.monotonic() - started, 3))
         if not 0 <= stage <= spec.stages:
             raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
         links = LinkEmulator(options.network, options.site) if options.network and options.site else None
         next_stage: int | None = stage
         while next_stage is not None:
-            node = await _build_announced(options, spec, dht, next_stage)
+            if next_stage == 0:  # the run's tokenizer: the node's own, cached, or fetched from a peer
+                tokenizer = await obtain_tokenizer(spec, options.tokenizer, dht, cache_dir())
+                options = replace(options, tokenizer=tokenizer)
+            node = await _build_announced(options, spec, dht, next_stage, building)
+            building = None
             node.metrics = metrics
             node.links = links
             if metrics is not None:
                 metrics.attach(node)
             watchdog = asyncio.create_task(_watch_dht(dht, node))
             try:
-                await _serve(node, options.linger)
+                await _serve(node, options.linger, options.tokenizer)
             finally:
                 watchdog.cancel()
                 await node.close()
                 if metrics is not None:
                     metrics.attach(None)
             if not dht.alive:
-                end_orphans()
-                return 1
+                return _dht_died()
             next_stage = node.move_to
             if next_stage is not None:
                 emit("moving", from_stage=node.stage, to_stage=next_stage)
@@ -167,6 +182,31 @@ async def run_join(options: JoinOptions) -> int:
         if check is not None:
             check.cancel()
         await dht.close()
+
+
+def _dht_died() -> int:
+    end_orphans()
+    return 1
+
+
+async def _stand_by(
+    options: JoinOptions, spec: RunSpec, dht: SwarmDHT
+) -> tuple[int, asyncio.Future[Node]] | None:
+    """`--standby`: stand by until a lost stage is taken (its node built while the claim settled); None
+    if stopped by SIGINT/SIGTERM meanwhile, or the DHT process died."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+
+    def prepare(stage: int) -> asyncio.Future[Node]:
+        return asyncio.ensure_future(asyncio.to_thread(_build_node, options, spec, dht, stage))
+
+    try:
+        return await stand_by(dht, spec, options.site, stopping, prepare)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def _serve_metrics(options: JoinOptions) -> DaemonMetrics | None:
@@ -186,13 +226,21 @@ def _serve_metrics(options: JoinOptions) -> DaemonMetrics | None:
     return metrics
 
 
-async def _build_announced(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) -> Node:
-    """Build the node (in a thread) while a `recovering` record for its stage stays on the DHT, republished
-    every record period: building a large preset's stage, or a data node's corpus, takes longer than one
-    record lives, and a `--stage auto` claim that lapsed would send the next joiner to the same stage. Not
-    `joining`: a claim kept is no longer a claim that an older one beats (`membership.leaves_claim` orders
-    `joining` claims by expiry, which a republished record would push forward)."""
-    building = asyncio.ensure_future(asyncio.to_thread(_build_node, options, spec, dht, stage))
+async def _build_announced(
+    options: JoinOptions,
+    spec: RunSpec,
+    dht: SwarmDHT,
+    stage: int,
+    building: asyncio.Future[Node] | None = None,
+) -> Node:
+    """Build the node (in a thread; `building`: a build started already) while a `recovering` record for
+    its stage stays on the DHT, republished every record period: building a large preset's stage, or a data
+    node's corpus, takes longer than one record lives, and a `--stage auto` claim that lapsed would send the
+    next joiner to the same stage. Not `joining`: a claim kept is no longer a claim that an older one beats
+    (`membership.leaves_claim` orders `joining` claims by expiry, which a republished record would push
+    forward)."""
+    if building is None:
+        building = asyncio.ensure_future(asyncio.to_thread(_build_node, options, spec, dht, stage))
     while True:
         try:
             await dht.publish(
@@ -242,9 +290,9 @@ async def _watch_dht(dht: SwarmDHT, node: Node) -> None:
     node.stop()
 
 
-async def _serve(node: Node, linger: bool) -> None:
+async def _serve(node: Node, linger: bool, tokenizer: Path | None = None) -> None:
     """Start `node` and run it until it finishes (data node; with `linger`, until stopped after that), is
-    stopped by a signal, or decides to move."""
+    stopped by a signal, or decides to move. A data node serves its `tokenizer` to peers that lack it."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, node.stop)
@@ -252,6 +300,8 @@ async def _serve(node: Node, linger: bool) -> None:
     if not isinstance(node, DataNode):
         await node.wait()
         return
+    if tokenizer is not None:
+        TokenizerServer(node.spec.run_id, tokenizer).register(node.transport)
     trainer = asyncio.create_task(node.train())
     stopper = asyncio.create_task(node.wait())
     await asyncio.wait({trainer, stopper}, return_when=asyncio.FIRST_COMPLETED)
