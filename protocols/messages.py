@@ -46,6 +46,7 @@ MAX_ADDRS = 16
 MAX_STAGE = 1024
 MAX_VISITS = 4096  # microbatches of one iteration planned through one node
 MIN_LR_FACTOR, MAX_LR_FACTOR = 0.1, 10.0  # a learning-rate multiplier outside these corrupts weights
+MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json (large vocabularies' files are tens of MB)
 
 
 class NodeState(StrEnum):
@@ -214,6 +215,25 @@ class StateTransfer(Message):
 
 
 @dataclass(frozen=True)
+class TokenizerRequest(Message):
+    """Ask a node of the run for its tokenizer.json whose digest (`tokenizer.file_digest`) is `digest`."""
+
+    KIND: ClassVar[str] = "tokenizer_request"
+    run_id: str = field(metadata=checked(_RUN))
+    digest: str = field(metadata=checked(text(64, 16)))
+
+
+@dataclass(frozen=True)
+class TokenizerTransfer(Message):
+    """The answer: the file's `size` bytes follow as one uint8 tensor; the asker checks their digest."""
+
+    KIND: ClassVar[str] = "tokenizer_transfer"
+    run_id: str = field(metadata=checked(_RUN))
+    digest: str = field(metadata=checked(text(64, 16)))
+    size: int = field(metadata=checked(count(MAX_TOKENIZER_BYTES, 1)))
+
+
+@dataclass(frozen=True)
 class AveragingRequest(Message):
     """NoLoCo: the initiator's phi and theta (same layout), sent in that order beside the message."""
 
@@ -316,6 +336,7 @@ class Rpc(StrEnum):
     STATE = "state"
     PING = "ping"
     HELLO = "hello"
+    TOKENIZER = "tokenizer"
 
 
 REQUESTS: Mapping[Rpc, type[Message] | None] = MappingProxyType(
@@ -328,6 +349,7 @@ REQUESTS: Mapping[Rpc, type[Message] | None] = MappingProxyType(
         Rpc.STATE: StateRequest,
         Rpc.PING: None,  # no message: the reply is a `Pong`
         Rpc.HELLO: None,  # no message: a node that just came online says so
+        Rpc.TOKENIZER: TokenizerRequest,
     }
 )
 

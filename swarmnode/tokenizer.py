@@ -21,6 +21,7 @@ EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 DEFAULT_VOCAB_SIZE = 4096
 _MIN_VOCAB_SIZE = 257  # 256 byte tokens and the end-of-text token
+DIGEST_CHARS = 16  # hex characters of a tokenizer's SHA-256 kept as its digest
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
@@ -78,7 +79,7 @@ def cached_tokenizer(source: Source, vocab_size: int, cache: Path) -> Path:
 
 def file_digest(path: Path) -> str:
     """A short SHA-256 of a file's bytes, naming what was built from it (and comparable across machines)."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:DIGEST_CHARS]
 
 
 def _train_texts(source: Source) -> Iterable[str]:

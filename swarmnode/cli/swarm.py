@@ -216,7 +216,11 @@ def bootstrap(
         spec = spec.with_overrides(init_digests=",".join(seed.digests))
     try:
         metrics = None if metrics_port is None else (metrics_host, metrics_port)
-        code = _run_async(run_bootstrap(spec, host, port, public, peers_file, identity, seed, metrics, reach))
+        code = _run_async(
+            run_bootstrap(
+                spec, host, port, public, peers_file, identity, seed, metrics, reach, corpus.tokenizer_path
+            )
+        )
     except DHTUnavailable as error:
         raise click.ClickException(str(error)) from None
     except TimeoutError:

@@ -19,6 +19,7 @@ from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.node.reachability import ReachServer
 from swarmnode.node.seed import SeedServer, SeedWeights
 from swarmnode.runspec import RunSpec
+from swarmnode.tokenizer_fetch import TokenizerServer
 from swarmnode.transport import Transport, TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,14 @@ async def run_bootstrap(
     seed: SeedWeights | None = None,
     metrics: tuple[str, int] | None = None,
     reach: Reach | None = None,
+    tokenizer: Path | None = None,
 ) -> int:
     """Publish the run until SIGINT/SIGTERM (exit code 0), or until the DHT fails (1); the DHT is shut down
     on every way out, errors included. The bootstrap's key (kept in `identity`, if given) owns the run.
     With `seed` (the run starts from weights, `spec.init_digests`), it also serves them (`node.seed`);
     with `metrics` (host, port), Prometheus metrics of its version and role (`node.metrics`); with `reach`,
-    its announced addresses and relay settings (`dht.Reach`). It answers joiners' reachability checks."""
+    its announced addresses and relay settings (`dht.Reach`). It answers joiners' reachability checks, and
+    with `tokenizer` (the run's tokenizer.json), serves it to data nodes that lack it (`tokenizer_fetch`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -67,10 +70,13 @@ async def run_bootstrap(
     transport: Transport | None = None
     try:
         await ReachServer().start(await dht.replicate_p2p())
-        if seed is not None:
+        if seed is not None or tokenizer is not None:
             direct = host if host in LOOPBACK else None
             transport = Transport(await dht.replicate_p2p(), TransportConfig(direct_host=direct))
-            SeedServer(spec, seed).register(transport)
+            if seed is not None:
+                SeedServer(spec, seed).register(transport)
+            if tokenizer is not None:
+                TokenizerServer(spec.run_id, tokenizer).register(transport)
             await transport.start()
         await dht.publish_run(spec, RUN_TTL_S)
         maddrs = dht.visible_maddrs()

@@ -34,6 +34,8 @@ from protocols.messages import (
     StatePart,
     StateRequest,
     StateTransfer,
+    TokenizerRequest,
+    TokenizerTransfer,
     decode,
     encode,
 )
@@ -80,6 +82,8 @@ EXAMPLES = [
     StateTransfer("run-1", 2, (StatePart.WEIGHTS, StatePart.OPTIMIZER), 7, 1, 0.5, PHI, lr_factor=1.1),
     ReachRequest((31337, 4001)),
     ReachReply("203.0.113.7", (31337,)),
+    TokenizerRequest("run-1", "0123456789abcdef"),
+    TokenizerTransfer("run-1", "0123456789abcdef", 2_500_000),
     Route("run-1", 7, 3, (*PATH, PATH[0]), 1),
 ]
 ROUTE = EXAMPLES[-1]
