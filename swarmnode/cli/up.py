@@ -105,6 +105,15 @@ class FiniteFloatRange(click.FloatRange):
     help="Seconds before a killed or crashed node comes back as `join --stage auto`.",
 )
 @click.option(
+    "--standby",
+    "standbys",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Standby nodes (`join --standby`): they hold no stage and take one the moment its last node is "
+    "gone.",
+)
+@click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("swarm-out"),
@@ -158,6 +167,7 @@ def up(
     calm: bool,
     checkfree_plus: bool,
     respawn_delay: float,
+    standbys: int,
     out: Path,
     seed: int,
     run_id: str,
@@ -200,6 +210,7 @@ def up(
         device=device,
         dtype=dtype,
         respawn_delay=respawn_delay,
+        standbys=standbys,
         seed=seed,
         run_id=run_id,
         out=out,

@@ -23,7 +23,8 @@ class SwarmConfig:
     `stall_timeout` (None: no bound) ends the run as failed when no data node reports a new step for that many
     seconds. `command` starts the swarmnode CLI in a child; `observe` starts the DHT observer for node states.
     `network` (a links file) emulates WAN links between the nodes, each at its `placement` site (launcher
-    node name -> site, every initial node; `protocols.links.Network.place`).
+    node name -> site, every initial node; `protocols.links.Network.place`). `standbys` nodes start as
+    `join --standby`: they hold no stage until one loses its last node.
     """
 
     preset: str = "tiny"
@@ -37,6 +38,7 @@ class SwarmConfig:
     device: str = "auto"  # every node's `join --device`
     dtype: str = "float32"  # the run's compute dtype (`bootstrap --dtype`)
     respawn_delay: float = 2.0
+    standbys: int = 0
     seed: int = 0
     run_id: str = "swarm"
     out: Path = Path("swarm-out")
@@ -78,9 +80,11 @@ class SwarmConfig:
             "--skip-ratio", str(self.skip_ratio),
         ]  # fmt: skip
 
-    def join_argv(self, stage: int | None, shard: str | None, site: str | None = None) -> list[str]:
-        """A daemon of `stage` (None: `--stage auto`); `shard` (I/K): the data it reads as a data node;
-        `site`: where it sits in the emulated `network` (ignored without one).
+    def join_argv(
+        self, stage: int | None, shard: str | None, site: str | None = None, standby: bool = False
+    ) -> list[str]:
+        """A daemon of `stage` (None: `--stage auto`), or a standby; `shard` (I/K): the data it reads as a
+        data node; `site`: where it sits in the emulated `network` (ignored without one).
 
         Torch threads are split evenly between the nodes, so a small machine is not oversubscribed. Data nodes
         linger after the last step, so that the final model can be exported (`export_argv`). Every node
@@ -88,7 +92,8 @@ class SwarmConfig:
         """
         threads = max(1, usable_cpus() // self.initial_nodes)
         return [
-            *self.command, "join", "--stage", "auto" if stage is None else str(stage),
+            *self.command, "join",
+            *(["--standby"] if standby else ["--stage", "auto" if stage is None else str(stage)]),
             "--initial-peers", str(self.peers_file), "--run-id", self.run_id, "--threads", str(threads),
             "--linger", "--device", self.device, "--metrics-port", "0",
             *(["--shard", shard] if shard is not None else []),
@@ -127,6 +132,7 @@ class SwarmConfig:
             "device": self.device,
             "dtype": self.dtype,
             "respawn_delay": self.respawn_delay,
+            "standbys": self.standbys,
             "seed": self.seed,
             "run_id": self.run_id,
             "timeout": self.timeout,

@@ -135,11 +135,14 @@ class LocalSwarm:
         for stage in range(1, config.stages + 1):
             for replica in range(1, config.replicas + 1):
                 self._spawn(f"s{stage}r{replica}", stage, None)
+        for index in range(config.standbys):
+            self._spawn(f"standby{index + 1}", None, None, standby=True)
         if config.network is not None:
             self._display.event(f"emulated links of {config.network}: {sites_text(self._nodes)}")
+        standbys = f", {config.standbys} standby node(s)" if config.standbys else ""
         self._display.event(
             f"started {config.data_nodes} data node(s) and {config.stages} stage(s) x {config.replicas} "
-            f"replica(s); logs in {self.logs}"
+            f"replica(s){standbys}; logs in {self.logs}"
         )
         self._last_step_at = time.monotonic()
         while True:
@@ -215,12 +218,17 @@ class LocalSwarm:
         stall = self.config.stall_timeout
         return stall is not None and now - self._last_step_at >= stall
 
-    def _spawn(self, name: str, stage: int | None, shard: str | None, site: str | None = None) -> None:
-        """Start a daemon; an initial node sits at its placement's site, a respawned one at `site`."""
+    def _spawn(
+        self, name: str, stage: int | None, shard: str | None, site: str | None = None, standby: bool = False
+    ) -> None:
+        """Start a daemon (a standby: `join --standby`); an initial node sits at its placement's site, a
+        respawned one at `site`."""
         site = self.config.placement.get(name, site)
-        process = ChildProcess(name, self.config.join_argv(stage, shard, site), self.logs, self._env)
+        argv = self.config.join_argv(stage, shard, site, standby)
+        process = ChildProcess(name, argv, self.logs, self._env)
         tail = LineTail(process.stdout_path)
-        self._nodes.append(LaunchedNode(process, stage, shard, tail, initial=stage is not None, site=site))
+        initial = stage is not None
+        self._nodes.append(LaunchedNode(process, stage, shard, tail, initial, site=site, standby=standby))
 
     def _read_events(self) -> None:
         for node in self._nodes:

@@ -33,6 +33,7 @@ class LaunchedNode:
     site: str | None = None  # its site in the emulated network (`up --network`)
     served: int | None = None  # microbatches it completed, from its metrics when last read
     tokens_per_second: float | None = None  # per busy second of its compute, from its metrics likewise
+    standby: bool = False  # started as `join --standby` (`stage` is the one it took, if any)
 
     @property
     def alive(self) -> bool:
@@ -73,10 +74,11 @@ def report_entry(
 
 
 def daemon_entry(node: LaunchedNode) -> dict[str, Any]:
-    """A daemon as the report lists it: `report_entry`, its site and the microbatches it served (null when
-    its metrics were never read: a node that crashed, or was killed before they were)."""
+    """A daemon as the report lists it: `report_entry`, its site, the microbatches it served (null when its
+    metrics were never read: a node that crashed, or was killed before they were), and whether it started
+    as a standby (its `stage` null while it stood by to the end)."""
     entry = report_entry(node.process, node.stage, node.peer_id, node.killed, node.metrics_url)
-    return {**entry, "site": node.site, "microbatches_served": node.served}
+    return {**entry, "site": node.site, "microbatches_served": node.served, "standby": node.standby}
 
 
 def network_entry(path: Path, nodes: Iterable[LaunchedNode]) -> dict[str, Any]:
