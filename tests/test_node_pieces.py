@@ -18,7 +18,7 @@ from protocols.stepbook import MicrobatchKey
 from swarmnode.identity import Identity
 from swarmnode.model import build_stage
 from swarmnode.model_config import ModelConfig
-from swarmnode.node.planning import Snapshot, plan_iteration
+from swarmnode.node.planning import RememberedView, Snapshot, plan_iteration
 from swarmnode.node.state import (
     StateMismatch,
     check_replica_state,
@@ -85,6 +85,28 @@ def test_plan_skips_a_lost_stage() -> None:
     view = snapshot(s0=("d",), s1=("a",), s3=("c",))
     planned = plan_iteration(view, "d", spec, iteration=7, tokens_per_microbatch=1024)
     assert planned and all(2 not in mb.stages for mb in planned)
+
+
+def test_a_stage_missing_from_one_read_is_not_skipped() -> None:
+    # on a loaded machine a live stage's records can vanish from one read; a plan from that read alone
+    # routed every microbatch past the stage in a run whose skip ratio is 0
+    spec = RunSpec(run_id="r", stages=3, microbatches=2)
+    remembered = RememberedView(grace_s=8.0)
+    remembered.update(snapshot(s0=("d",), s1=("a",), s2=("b",), s3=("c",)), now=0.0)
+    view = remembered.update(snapshot(s0=("d",), s1=("a",), s3=("c",)), now=1.0)
+    planned = plan_iteration(view, "d", spec, iteration=7, tokens_per_microbatch=1024)
+    assert [mb.stages for mb in planned] == [(0, 1, 2, 3, 0)] * 2
+    assert view.online(2) == ["b"]
+    stale = remembered.update(snapshot(s0=("d",), s1=("a",), s3=("c",)), now=9.0)  # gone past the grace
+    assert stale.online(2) == []
+
+
+def test_a_read_seen_before_renews_nothing() -> None:
+    remembered = RememberedView(grace_s=8.0)
+    read = snapshot(s0=("d",), s2=("b",))
+    remembered.update(read, now=0.0)
+    remembered.update(read, now=20.0)  # no newer read for 20 s: b was last seen at 0
+    assert remembered.update(snapshot(s0=("d",)), now=21.0).online(2) == []
 
 
 def test_plan_is_empty_without_any_transformer_stage() -> None:

@@ -50,7 +50,7 @@ from swarmnode.node.checks import BANNED_FOR, Rejected, decode_from_peer, hop_te
 from swarmnode.node.compute import ComputeQueue
 from swarmnode.node.events import emit
 from swarmnode.node.metrics import DaemonMetrics
-from swarmnode.node.planning import Snapshot
+from swarmnode.node.planning import RememberedView, Snapshot
 from swarmnode.node.router import Router
 from swarmnode.node.serving import StateServer, request_seconds
 from swarmnode.node.worker import Wire
@@ -64,6 +64,7 @@ from swarmnode.transport import Compression, LinkEmulator, Reply, Transport, Tra
 logger = logging.getLogger(__name__)
 
 BAN_SECONDS = 60.0
+VIEW_GRACE_TTLS = 2  # a peer missing from the latest read is still routed to for this many record TTLs
 
 
 class Node:
@@ -91,7 +92,8 @@ class Node:
         self.optimizer = StageOptimizer(self.piece, schedule, spec.max_grad_norm)
         self.compute = ComputeQueue()
         self.state = NodeState.JOINING
-        self.snapshot = Snapshot({})
+        self.snapshot = Snapshot({})  # the latest read of the DHT
+        self._remembered = RememberedView(VIEW_GRACE_TTLS * spec.record_ttl_s)
         self.microbatches_lost = 0
         self.microbatches_served = 0  # backward passes completed here
         self.tokens_processed = 0
@@ -217,8 +219,14 @@ class Node:
 
     # ---- the swarm ----------------------------------------------------------------------------------------
 
+    def view(self) -> Snapshot:
+        """The swarm to route with: the latest read, plus peers a recent read showed online (a live node's
+        record can be missing from one read on a loaded machine: `protocols.sightings`). Decisions that a
+        stage is lost read `snapshot`, the latest read alone."""
+        return self._remembered.update(self.snapshot, time.monotonic())
+
     def snapshot_online(self, stage: int) -> list[str]:
-        return self.snapshot.online(stage)
+        return self.view().online(stage)
 
     async def refresh_snapshot(self) -> None:
         self.snapshot = Snapshot(await self.dht.read_swarm(self.spec.stages))

@@ -115,7 +115,7 @@ class DataNode(Node):
             if self.iteration >= self.spec.total_steps:
                 break
             self.optimizer.advance(self.iteration)
-            view = self.snapshot.without(self.router.suspects())
+            view = self.view().without(self.router.suspects())
             planned = plan_iteration(view, self.me, self.spec, self.iteration, self._tokens_per_mb)
             if not planned:
                 await asyncio.sleep(self.spec.record_period_s)

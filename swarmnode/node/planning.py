@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from protocols.checkfree import swap_edge_pairs, swaps_edge_pairs
 from protocols.errors import LocalProtocolError
 from protocols.messages import NodeState
+from protocols.sightings import Sightings
 from protocols.skippipe import PathRules, SwarmView, full_pipeline_plan, mix_replicas, schedule
 from swarmnode.peer_record import PeerRecord
 from swarmnode.runspec import RunSpec
@@ -59,6 +60,39 @@ class Snapshot:
         """Every record of `peer_id`: a node that moved to another stage has one under each until the old
         one expires."""
         return [peer for peers in self.stages.values() for peer in peers if peer.peer_id == peer_id]
+
+
+class RememberedView:
+    """A data node's view to plan with: the latest read of the DHT, plus the peers that a recent read showed
+    online and this one lacks (`protocols.sightings`: a live stage's records can vanish from one read on a
+    loaded machine), each with its last record."""
+
+    def __init__(self, grace_s: float) -> None:
+        self._sightings = Sightings(grace_s)
+        self._records: dict[tuple[str, int], PeerRecord] = {}
+        self._last_read: Snapshot | None = None
+
+    def update(self, snapshot: Snapshot, now: float) -> Snapshot:
+        """The view at `now`; `snapshot` is the latest read (a read already seen renews no sighting)."""
+        if snapshot is not self._last_read:
+            self._last_read = snapshot
+            read = [
+                (peer.peer_id, stage, peer.record.state == NodeState.ONLINE)
+                for stage, peers in snapshot.stages.items()
+                for peer in peers
+            ]
+            self._sightings.observe(read, now)
+            for stage, peers in snapshot.stages.items():
+                for peer in peers:
+                    if peer.record.state == NodeState.ONLINE:
+                        self._records[(peer.peer_id, stage)] = peer
+        present = self._sightings.present(now)
+        self._records = {key: record for key, record in self._records.items() if key in present}
+        stages = {stage: list(peers) for stage, peers in snapshot.stages.items()}
+        for (peer_id, stage), record in sorted(self._records.items()):
+            if all(peer.peer_id != peer_id for peer in stages.get(stage, ())):
+                stages.setdefault(stage, []).append(record)
+        return Snapshot(stages)
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ class StageNode(Node):
     async def _is_data_node(self, peer: str) -> bool:
         """Whether `peer` is an online data node, reading the DHT again (at most once a second) if the view
         does not have it (a data node that just started). Forwards that arrive during a read wait for it."""
-        if peer in self.snapshot.online(0):
+        if peer in self.view().online(0):
             return True
         reading = self._origins_read
         if reading is None and time.monotonic() - self._origins_read_at >= ORIGIN_REFRESH_S:
@@ -126,7 +126,7 @@ class StageNode(Node):
             reading = self._origins_read = asyncio.ensure_future(self._read_origins())
         if reading is not None:
             await asyncio.shield(reading)
-        return peer in self.snapshot.online(0)
+        return peer in self.view().online(0)
 
     async def _read_origins(self) -> None:
         try:
@@ -140,7 +140,7 @@ class StageNode(Node):
         """How many microbatches this node takes at once: a few iterations of every data node's plan, so the
         activations a flood of forwards could pin in memory stay bounded (the router sends a refused
         forward to another replica, or skips the stage)."""
-        return BACKLOG_ITERATIONS * self.spec.microbatches * max(1, len(self.snapshot.online(0)))
+        return BACKLOG_ITERATIONS * self.spec.microbatches * max(1, len(self.view().online(0)))
 
     def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
         return self.book.may_abort(key, peer)
