@@ -32,8 +32,15 @@ first `torch.optim.Adam` alone takes 1-1.7 s: it imports torch._dynamo), fetch a
 about 1 s from `online` to the first iteration through the node (the data node sees the new record at its
 next view refresh, `record_period_s`, then runs an iteration).
 
+With `--standby` the stage is taken by a standby node (`join --standby`, started and standing by before
+the kill, listed by `swarmnode status`) instead of a replacement started at the kill: its `import` and
+`dht` phases lie before the kill (null in the JSON), and `stage` is when it took the stage (it pinged the
+stage's nodes, claimed it and let the claim settle). `--compare` alternates replacement and standby
+trials in one swarm (the same machine load), `--trials` of each, and prints the ratio of their medians.
+
     python benchmarks/recovery_time.py                    # 3 trials on stage 2
     python benchmarks/recovery_time.py --trials 5 --stage 1 --json out.json
+    python benchmarks/recovery_time.py --compare --json out.json   # 3 replacement and 3 standby trials
 
 Takes one to two minutes for 3 trials on two cores.
 """
@@ -65,6 +72,7 @@ TRIAL_S = 180.0
 STEPS_BETWEEN = 6  # data-node steps through the new node before the next trial kills it
 ITERATION_ENDS = ("step", "iteration_failed", "validation")  # data-node events that end an iteration
 PHASES = ("import", "dht", "stage", "build", "fetch", "online", "first")
+MODES = ("replacement", "standby")
 
 
 def uptime() -> str:
@@ -85,14 +93,33 @@ def first_through(data: NodeProcess, stage: int, online: float) -> dict[str, Any
     return None
 
 
+def start_standby(swarm: LocalTestSwarm, n: int) -> NodeProcess:
+    """A standby, once the status view lists it standing by (its first look is then a record period old)."""
+    standby = swarm.join("auto", "--standby", name=f"standby{n}")
+    wait_phase(standby, "dht")
+    poll(
+        lambda: any(s["taken"] is None for s in swarm.status()["standbys"]),
+        TRIAL_S,
+        "the standby to stand by",
+        alive=standby.check_alive,
+    )
+    return standby
+
+
 def trial(
-    swarm: LocalTestSwarm, data: NodeProcess, victim: NodeProcess, stage: int, n: int
+    swarm: LocalTestSwarm,
+    data: NodeProcess,
+    victim: NodeProcess,
+    stage: int,
+    n: int,
+    standby: NodeProcess | None = None,
 ) -> dict[str, Any]:
-    """Kill `victim` (the last node of `stage`), start a replacement at once, time its phases."""
+    """Kill `victim` (the last node of `stage`); time the phases of the `standby` that takes the stage, or
+    of a replacement started at once."""
     swarm.note_sockets()
     victim.kill_group(signal.SIGKILL)
     killed = time.time()
-    new = swarm.join("auto", name=f"new{n}")
+    new = standby or swarm.join("auto", name=f"new{n}")
     spawned = time.time()
     victim.popen.wait(10)
     poll(lambda: not group_members([victim.pgid]), 10, "the killed process group to be gone")
@@ -112,7 +139,7 @@ def trial(
     ]
     ends = [max((t for t in ends if t <= killed), default=killed), *(t for t in ends if t > killed)]
     dht_ready, chosen = joining["dht"]["time"], joining["stage"]["time"]
-    at = {
+    at: dict[str, float | None] = {
         "import": dht_ready - joining["dht"]["seconds"],
         "dht": dht_ready,
         "stage": chosen,
@@ -121,19 +148,23 @@ def trial(
         "online": online["time"],
         "first": first["time"],
     }
+    if standby is not None:  # started before the kill
+        at["import"] = at["dht"] = None
     return {
         "trial": n,
+        "mode": MODES[standby is not None],
         "stage": joining["stage"]["stage"],
         "method": recovered["method"],
         "spawn_delay": spawned - killed,
-        "at": {phase: t - killed for phase, t in at.items()},
+        "at": {phase: None if t is None else t - killed for phase, t in at.items()},
         "stall": max(later - earlier for earlier, later in pairwise(ends)),
         "first_step": first["step"],
         "node": new,
     }
 
 
-def run(trials: int, stage: int, folder: Path) -> tuple[list[dict[str, Any]], list[str]]:
+def run(modes: list[str], stage: int, folder: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """One trial per entry of `modes` (in that order), all in one swarm."""
     loads = [uptime()]
     with LocalTestSwarm(folder, run_id=f"rec{uuid.uuid4().hex[:8]}") as swarm:
         swarm.bootstrap(timeout=120, steps=STEPS)
@@ -144,12 +175,16 @@ def run(trials: int, stage: int, folder: Path) -> tuple[list[dict[str, Any]], li
         data.wait_event("step", START_S, where=lambda e: e["step"] >= 10)
         victim = nodes[stage]
         results = []
-        for n in range(1, trials + 1):
-            result = trial(swarm, data, victim, stage, n)
+        for n, mode in enumerate(modes, 1):
+            standby = start_standby(swarm, n) if mode == "standby" else None
+            if standby is not None:  # the standby's start is over: let the swarm run calmly again
+                after = data.events("step")[-1]["step"] + STEPS_BETWEEN
+                data.wait_event("step", TRIAL_S, where=lambda e, after=after: e["step"] >= after)
+            result = trial(swarm, data, victim, stage, n, standby)
             victim = result.pop("node")
             results.append(result)
             print(
-                f"# trial {n}: first iteration through stage {stage} {result['at']['first']:.2f} s "
+                f"# trial {n} ({mode}): first iteration through stage {stage} {result['at']['first']:.2f} s "
                 f"after the kill",
                 file=sys.stderr,
                 flush=True,
@@ -164,24 +199,39 @@ def run(trials: int, stage: int, folder: Path) -> tuple[list[dict[str, Any]], li
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """Markdown: per trial, each phase's end after the kill (and its own length), then the medians."""
-    header = "| trial | stage | method | " + " | ".join(PHASES) + " | stall |"
-    lines = [header, "|" + "---|" * (len(PHASES) + 4)]
+    """Markdown: per trial, each phase's end after the kill (and its own length), then each mode's medians
+    (a standby's `import` and `dht` lie before the kill: `-`)."""
+    header = "| trial | mode | stage | method | " + " | ".join(PHASES) + " | stall |"
+    lines = [header, "|" + "---|" * (len(PHASES) + 5)]
 
-    def cells(at: dict[str, float]) -> list[str]:
+    def cells(at: dict[str, float | None]) -> list[str]:
         out, previous = [], 0.0
         for phase in PHASES:
-            out.append(f"{at[phase]:.2f} ({at[phase] - previous:.2f})")
-            previous = at[phase]
+            t = at[phase]
+            out.append("-" if t is None else f"{t:.2f} ({t - previous:.2f})")
+            previous = previous if t is None else t
         return out
 
     for r in results:
-        row = [str(r["trial"]), str(r["stage"]), r["method"], *cells(r["at"]), f"{r['stall']:.2f}"]
+        row = [str(r["trial"]), r["mode"], str(r["stage"]), r["method"], *cells(r["at"]), f"{r['stall']:.2f}"]
         lines.append("| " + " | ".join(row) + " |")
-    median = {p: statistics.median(r["at"][p] for r in results) for p in PHASES}
-    stall = statistics.median(r["stall"] for r in results)
-    lines.append("| median | | | " + " | ".join(cells(median)) + f" | {stall:.2f} |")
+    for mode, median, stall in medians(results):
+        lines.append(f"| median | {mode} | | | " + " | ".join(cells(median)) + f" | {stall:.2f} |")
     return "\n".join(lines)
+
+
+def medians(results: list[dict[str, Any]]) -> list[tuple[str, dict[str, float | None], float]]:
+    """Per mode run: the median end of each phase (None where the mode has no such phase) and stall."""
+    out = []
+    for mode in MODES:
+        of = [r for r in results if r["mode"] == mode]
+        if of:
+            median = {
+                p: None if of[0]["at"][p] is None else statistics.median(r["at"][p] for r in of)
+                for p in PHASES
+            }
+            out.append((mode, median, statistics.median(r["stall"] for r in of)))
+    return out
 
 
 def main() -> None:
@@ -190,14 +240,25 @@ def main() -> None:
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="the stage to kill")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--keep", type=Path, default=None, help="keep the daemons' logs in this new folder")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--standby", action="store_true", help="a standby takes the stage, not a replacement")
+    which.add_argument("--compare", action="store_true", help="alternate replacement and standby trials")
     args = parser.parse_args()
+    if args.compare:
+        modes = [mode for _ in range(args.trials) for mode in MODES]
+    else:
+        modes = [MODES[args.standby]] * args.trials
     if args.keep is not None:
-        results, loads = run(args.trials, args.stage, args.keep)
+        results, loads = run(modes, args.stage, args.keep)
     else:
         with TemporaryDirectory(prefix="recovery-time-") as tmp:
-            results, loads = run(args.trials, args.stage, Path(tmp))
+            results, loads = run(modes, args.stage, Path(tmp))
     print("Seconds after the SIGKILL at which each phase ended (the phase's own length in brackets):\n")
     print(table(results))
+    if args.compare:
+        first = {mode: median["first"] for mode, median, _ in medians(results)}
+        ratio = first["standby"] / first["replacement"]
+        print(f"\nmedian first iteration through the stage, standby / replacement: {ratio:.2f}")
     print("\nmachine load during the run:")
     for line in loads:
         print(f"    {line}")
