@@ -27,6 +27,7 @@ from types import MappingProxyType
 
 from protocols.errors import LocalProtocolError
 from protocols.skippipe.plan import Paths
+from protocols.skippipe.ranking import Ranking
 from protocols.skippipe.rules import PathRules
 from protocols.skippipe.sequences import Order, SequenceSpace
 from protocols.skippipe.swarm import SwarmView
@@ -197,12 +198,19 @@ class _Planner:
     def plan(self, d: int, release: float) -> _Candidate:
         """Choose and reserve the path of data node d's microbatch released at `release`."""
         layers: dict[Order, _Layer] = {}  # forward chains by stage prefix, shared by the orders routed
-        options = [
-            c
+        stubs = [
+            (kind, order, last, t, chain)
             for kind, order in self.shortlist.options(d, self.completion)
-            for c in self._route(d, kind, order, release, layers)
+            for last, (t, chain) in self._forward(d, release, order, layers).items()
         ]
-        chosen = self._choose(options)
+        ranking = Ranking(
+            [self._bound(d, *stub[2:]) for stub in stubs],
+            lambda i: self._route(d, *stubs[i]),
+            self._fits,
+            _FIT_MARGIN,
+            self.slack,
+        )
+        chosen = self._choose(ranking)
         for stage in chosen.stages:
             self.counts[stage] += 1
         for node in chosen.nodes:
@@ -248,56 +256,60 @@ class _Planner:
         layers[prefix] = layer
         return layer
 
+    def _bound(self, d: int, last: int, t: float, forward: tuple[tuple[int, float], ...]) -> float:
+        """A lower bound on the finish of the round trip after this forward chain: its head and backward
+        passes timed as if no node were busy (as `_route` times them, with every wait left out)."""
+        view = self.view
+        fwd, links, back = view.forward_s, view.link_s, view.backward_factor
+        t = t + links[last][d] + view.head_factor * fwd[d]
+        here = d
+        for y, _ in reversed(forward[1:]):
+            t = t + links[here][y] + back * fwd[y]
+            here = y
+        return t + links[here][d] + back * fwd[d]
+
     def _route(
-        self, d: int, kind: int, order: Order, release: float, layers: dict[Order, _Layer]
-    ) -> list[_Candidate]:
-        """For each replica of the last stage, the earliest-finishing forward chain and its round trip."""
+        self, d: int, kind: int, order: Order, last: int, t: float, forward: tuple[tuple[int, float], ...]
+    ) -> tuple[_Candidate, float]:
+        """The round trip after a forward chain ending at replica `last` at `t`, and its finish."""
         view = self.view
         fwd, links = view.forward_s, view.link_s
-        out = []
-        for last, (t, ((_, start), *chain)) in self._forward(d, release, order, layers).items():
-            tasks = [(d, start, start + fwd[d])] + [(y, s, s + fwd[y]) for y, s in chain]
-            head = view.head_factor * fwd[d]
-            begin = self.look[d].earliest_start(t + links[last][d], head)
-            t, here = begin + head, d
-            tasks.append((d, begin, t))
-            holds = []
-            for y, forward_start in reversed(chain):
-                duration = view.backward_factor * fwd[y]
-                begin = self.look[y].earliest_start(t + links[here][y], duration)
-                t, here = begin + duration, y
-                tasks.append((y, begin, t))
-                holds.append((y, forward_start, t))
-            duration = view.backward_factor * fwd[d]
-            begin = self.look[d].earliest_start(t + links[here][d], duration)
-            tasks.append((d, begin, begin + duration))
-            nodes = tuple(y for y, _ in chain)
-            out.append(_Candidate(begin + duration, kind, frozenset(order), nodes, tasks, holds))
-        return out
+        (_, start), *chain = forward
+        tasks = [(d, start, start + fwd[d])] + [(y, s, s + fwd[y]) for y, s in chain]
+        head = view.head_factor * fwd[d]
+        begin = self.look[d].earliest_start(t + links[last][d], head)
+        t, here = begin + head, d
+        tasks.append((d, begin, t))
+        holds = []
+        for y, forward_start in reversed(chain):
+            duration = view.backward_factor * fwd[y]
+            begin = self.look[y].earliest_start(t + links[here][y], duration)
+            t, here = begin + duration, y
+            tasks.append((y, begin, t))
+            holds.append((y, forward_start, t))
+        duration = view.backward_factor * fwd[d]
+        begin = self.look[d].earliest_start(t + links[here][d], duration)
+        tasks.append((d, begin, begin + duration))
+        nodes = tuple(y for y, _ in chain)
+        return _Candidate(begin + duration, kind, frozenset(order), nodes, tasks, holds), begin + duration
 
     def _fits(self, c: _Candidate) -> bool:
         return all(self.timelines[y].holders(a, b) < self.memory for y, a, b in c.holds)
 
-    def _choose(self, candidates: list[_Candidate]) -> _Candidate:
+    def _choose(self, ranking: Ranking[_Candidate]) -> _Candidate:
         """The earliest finisher (a random one within `slack`), preferring paths that fit in memory, whose
         stage set keeps a balanced completion; one from the current completion always qualifies."""
-        limit = min(c.finish for c in candidates) * _FIT_MARGIN
-        ranked = sorted(
-            ((not (c.finish <= limit and self._fits(c)), c.finish, i) for i, c in enumerate(candidates))
-        )
         misses = 0
-        while ranked:
-            worse, finish, _ = ranked[0]
-            near = [r for r in ranked if r[0] == worse and r[1] <= finish * (1.0 + self.slack) + 1e-9]
+        while near := ranking.near():
             entry = near[self.rng.randrange(len(near))]
-            pick = candidates[entry[2]]
+            pick = ranking.candidate(entry)
             if (pick.kind, pick.stages) in self.completion:
                 self.completion.remove((pick.kind, pick.stages))
                 return pick
             if misses < _MAX_MISSES and self._rebalanced(pick):
                 return pick
             misses += 1
-            ranked.remove(entry)
+            ranking.remove(entry)
         raise LocalProtocolError("no path keeps stage coverage balanced")  # unreachable: see module docstring
 
     def _rebalanced(self, pick: _Candidate) -> bool:

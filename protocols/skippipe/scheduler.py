@@ -109,20 +109,23 @@ def _improve(
     as it is sure to end later."""
     view = simulator.view
     ids = sorted(paths)
+    m = rules.microbatches_per_data_node
+    by_data = {d: [mb for mb in ids if paths[mb][0] == d] for d in view.data_nodes}
     moves = (_move_replica, _swap_replicas, _exchange_paths, _exchange_stages, _reorder)
     trace = simulator.trace(paths) if rounds else None
     tried: set[tuple[tuple[int, tuple[int, ...]], ...]] = set()  # changes already rejected from this plan
+    last = _last(result)
     for _ in range(rounds):
         if out_of_time():
             break
         trial = dict(paths)
-        mb = _pick(result, ids, rng, rules.microbatches_per_data_node)
+        mb = _pick(last, ids, rng, m)
         moves[rng.randrange(len(moves))](trial, view, space, rng, mb, ids)
-        change = tuple((mb, path) for mb, path in sorted(trial.items()) if paths[mb] != path)
+        change = tuple((mb, trial[mb]) for mb in ids if trial[mb] is not paths[mb] and trial[mb] != paths[mb])
         if not change or change in tried:
             continue
         touched = {path[0] for _, path in change}  # a draw is missed or not per data node
-        if draws and missed({mb: p for mb, p in trial.items() if p[0] in touched}, view, draws):
+        if draws and missed({mb: trial[mb] for d in touched for mb in by_data[d]}, view, draws):
             continue
         tried.add(change)
         outcome = simulator.rerun(trace, trial, bound=result.iteration_time_s)
@@ -130,14 +133,19 @@ def _improve(
             paths, result = trial, outcome
             trace = simulator.trace(paths)
             tried.clear()
+            last = _last(result)
     return paths, result
 
 
-def _pick(result: SimResult, ids: list[int], rng: random.Random, m: int) -> int:
+def _last(result: SimResult) -> int | None:
+    """The microbatch that finishes last (the highest id among ties), None if none finishes."""
+    return max(result.finish_s, key=lambda mb: (result.finish_s[mb], mb)) if result.finish_s else None
+
+
+def _pick(last: int | None, ids: list[int], rng: random.Random, m: int) -> int:
     """The microbatch that finishes last, another of its data node's, or any, a third of the time each."""
     draw = rng.random()
-    if draw < 2 / 3 and result.finish_s:
-        last = max(result.finish_s, key=lambda mb: (result.finish_s[mb], mb))
+    if draw < 2 / 3 and last is not None:
         return last if draw < 1 / 3 else last - last % m + rng.randrange(m)
     return ids[rng.randrange(len(ids))]
 

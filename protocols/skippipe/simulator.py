@@ -67,10 +67,23 @@ class _State:
     """What the event loop carries from one instant to the next (at an instant's start nothing waits to
     be dispatched)."""
 
-    __slots__ = ("back", "busy", "collisions", "ends", "events", "fwd", "held", "now", "queueing", "seq")
+    __slots__ = (
+        "back",
+        "busy",
+        "collisions",
+        "ends",
+        "events",
+        "fwd",
+        "held",
+        "now",
+        "queueing",
+        "seq",
+        "until",
+    )
 
     def __init__(self, chains: list[Chain], n_nodes: int, fifo: bool) -> None:
         self.busy = [False] * n_nodes
+        self.until = [0.0] * n_nodes  # when a busy node's task ends
         self.held = [0] * n_nodes
         self.back: list[list[tuple[float, int, int]]] = [[] for _ in range(n_nodes)]
         self.fwd = self.back if fifo else [[] for _ in range(n_nodes)]
@@ -82,7 +95,7 @@ class _State:
 
     def copy(self) -> _State:
         other = object.__new__(_State)
-        other.busy, other.held = self.busy[:], self.held[:]
+        other.busy, other.held, other.until = self.busy[:], self.held[:], self.until[:]
         other.back = [q[:] for q in self.back]
         other.fwd = other.back if self.fwd is self.back else [q[:] for q in self.fwd]
         other.events, other.seq = self.events[:], self.seq
@@ -100,6 +113,8 @@ class Trace:
     result: SimResult
     ends: tuple[list[float], ...]
     snapshots: tuple[_State, ...]
+    chains: tuple[Chain, ...]
+    rests: tuple[list[float], ...]
 
 
 class Simulator:
@@ -138,7 +153,8 @@ class Simulator:
         stride = self.stride or max(16, 3 * sum(map(len, chains)) // 32)  # 3 events per task
         self._play(state, chains, math.inf, snapshots, stride)
         frozen = MappingProxyType({mb: tuple(paths[mb]) for mb in ids})
-        return Trace(frozen, _result(ids, state), tuple(state.ends), tuple(snapshots))
+        rests = tuple(self._rest(chain) for chain in chains)
+        return Trace(frozen, _result(ids, state), tuple(state.ends), tuple(snapshots), tuple(chains), rests)
 
     def rerun(
         self, trace: Trace, paths: Mapping[int, Sequence[int]], bound: float = math.inf
@@ -148,20 +164,29 @@ class Simulator:
         ids = sorted(paths)
         if ids != list(trace.paths):
             raise LocalProtocolError("a rerun must keep the traced plan's microbatches")
-        chains = [self._chain(mb, paths[mb]) for mb in ids]
-        diverge = math.inf
-        for i, mb in enumerate(ids):
-            old = trace.paths[mb]
-            if tuple(paths[mb]) != old:
-                step = _first_difference(self._chain(mb, old), chains[i])
-                diverge = min(diverge, trace.ends[i][step - 1] if step > 0 else 0.0)
+        chains, rests = list(trace.chains), list(trace.rests)
+        diverge, first = math.inf, 0.0  # the earliest divergence, and when its changed task arrives at best
+        for i, (mb, old) in enumerate(trace.paths.items()):
+            path = paths[mb]
+            if path != old and tuple(path) != old:
+                chains[i] = chain = self._chain(mb, path)
+                rests[i] = self._rest(chain)
+                step = _first_difference(trace.chains[i], chain)
+                when = trace.ends[i][step - 1] if step > 0 else 0.0
+                if when < diverge:
+                    diverge, first = when, when
+                    if step < len(chain):
+                        hop = self.view.link_s[chain[step - 1][0]][chain[step][0]] if step > 0 else 0.0
+                        first = when + hop + rests[i][step]
+        if first > bound + 1e-9 * max(1.0, abs(bound)):
+            return None  # the changed task of the earliest change arrives too late (as `_play` would find)
         start = trace.snapshots[0]
         for snapshot in trace.snapshots:
             if snapshot.now > diverge:
                 break
             start = snapshot
         state = start.copy()
-        if not self._play(state, chains, bound, None, 0, [self._rest(chain) for chain in chains]):
+        if not self._play(state, chains, bound, None, 0, rests):
             return None
         return _result(ids, state)
 
@@ -175,13 +200,19 @@ class Simulator:
         rests: list[list[float]] | None = None,
     ) -> bool:
         """Run the event loop from `state` to the end (True), or stop (False) once the iteration is sure to
-        end after `bound`: an event falls after it, or a task arrives too late for the rest of its chain
-        (`rests`) to end by then. With `snapshots`, append a copy of the state at an instant's start
-        every `stride` events."""
+        end after `bound`: an event falls after it, or a task arrives at a node busy too long or starts too
+        late for the rest of its chain (`rests`) to end by then. With `snapshots`, append a copy of the
+        state at an instant's start every `stride` events."""
         limit = bound + 1e-9 * max(1.0, abs(bound))  # the rests are sums in another order: keep a margin
         links = self.view.link_s
         memory = len(chains) + 1 if self.fifo else self.memory
-        busy, held, waiting_back, waiting_fwd = state.busy, state.held, state.back, state.fwd
+        busy, held, until, waiting_back, waiting_fwd = (
+            state.busy,
+            state.held,
+            state.until,
+            state.back,
+            state.fwd,
+        )
         events, ends = state.events, state.ends
         seq, collisions, queueing, now = state.seq, state.collisions, state.queueing, state.now
         pending = [False] * len(busy)
@@ -202,8 +233,8 @@ class Simulator:
                         since = 0
                 now, _, node, i, step = pop(events)
                 since += 1
-                if step >= 0:  # a task arrives
-                    if rests is not None and now + rests[i][step] > limit:
+                if step >= 0:  # a task arrives; it starts no sooner than its node is free
+                    if rests is not None and (until[node] if busy[node] else now) + rests[i][step] > limit:
                         return False
                     task = chains[i][step]
                     if busy[node] or waiting_back[node] or waiting_fwd[node]:
@@ -216,7 +247,8 @@ class Simulator:
                         # alone at an idle node, nothing else due at this instant: it starts at once
                         held[node] += task[1]
                         busy[node] = True
-                        push(events, (now + task[2], seq, node, i, -1 - step))
+                        until[node] = now + task[2]
+                        push(events, (until[node], seq, node, i, -1 - step))
                         seq += 1
                         continue
                     push(waiting_fwd[node] if task[1] else waiting_back[node], (now, i, step))
@@ -230,9 +262,17 @@ class Simulator:
                     if chain[step][3]:  # a backward pass frees its memory slot
                         held[node] -= 1
                     if step + 1 < len(chain):
-                        nxt = chain[step + 1][0]
-                        push(events, (now + links[node][nxt], seq, nxt, i, step + 1))
-                        seq += 1
+                        task = chain[step + 1]
+                        nxt, arrive = task[0], now + links[node][task[0]]
+                        if busy[nxt] and until[nxt] > arrive:
+                            # it will find nxt busy, and nothing is served there before then: queue it now
+                            if rests is not None and until[nxt] + rests[i][step + 1] > limit:
+                                return False
+                            collisions += 1
+                            push(waiting_fwd[nxt] if task[1] else waiting_back[nxt], (arrive, i, step + 1))
+                        else:
+                            push(events, (arrive, seq, nxt, i, step + 1))
+                            seq += 1
                     if not waiting_back[node] and not waiting_fwd[node]:
                         continue  # nothing to serve
                 if not pending[node]:
@@ -252,9 +292,12 @@ class Simulator:
                     held[node] += 1
             else:
                 continue
+            if rests is not None and now + rests[i][step] > limit:
+                return False
             queueing += now - ready
             busy[node] = True
-            push(events, (now + chains[i][step][2], seq, node, i, -1 - step))
+            until[node] = now + chains[i][step][2]
+            push(events, (until[node], seq, node, i, -1 - step))
             seq += 1
         state.seq, state.collisions, state.queueing, state.now = seq, collisions, queueing, now
         return True

@@ -31,7 +31,7 @@ class Timeline:
 
     def slot_free(self, ready: float, memory: int) -> float:
         """The first moment at or after `ready` when fewer than `memory` microbatches are held."""
-        if sum(1 for a, b in self.holds if a <= ready < b) < memory:
+        if len(self.holds) < memory or sum(1 for a, b in self.holds if a <= ready < b) < memory:
             return ready
         for moment in sorted(b for _, b in self.holds if b > ready):
             if sum(1 for a, b in self.holds if a <= moment < b) < memory:
