@@ -1,6 +1,7 @@
 """Training data: a tokenised corpus with a held-out split, shards for data nodes, and batches.
 
-`load_corpus` resolves the source (the standard library by default, or `--data PATH`), the tokenizer (the
+`load_corpus` resolves the source (the standard library by default, `--data PATH` or `--data hf:...`: a
+`source_spec.DataSource`), the tokenizer (the
 user's `tokenizer.json`, or the default byte-level BPE trained on the source and cached) and the token ids.
 Ids are encoded once and cached beside the tokenizer as `tokens-{source}-{tokenizer digest}-{split}.npy`
 (uint16, or uint32 for vocabularies over 65536), built under a file lock and renamed into place, then
@@ -29,7 +30,7 @@ from swarmnode.datasource import (
     VAL_FRACTION,
     DataError,
     Document,
-    Source,
+    TextSource,
     atomic_write,
     cache_dir,
     default_source,
@@ -37,6 +38,8 @@ from swarmnode.datasource import (
     is_validation,
     user_source,
 )
+from swarmnode.progress import progress
+from swarmnode.source_spec import DataSource, SourceSpecError
 from swarmnode.tokenizer import DEFAULT_VOCAB_SIZE, cached_tokenizer, eos_id, file_digest, load_tokenizer
 
 __all__ = [
@@ -67,6 +70,8 @@ class Corpus:
     eos_id: int
     train_tokens: np.ndarray
     val_tokens: np.ndarray
+    source_fingerprint: str = ""  # comparable across machines (`DataSource.fingerprint`)
+    source_label: str = ""  # names the source in messages
 
     @property
     def vocab_size(self) -> int:
@@ -75,7 +80,7 @@ class Corpus:
 
 
 def load_corpus(
-    data: str | os.PathLike[str] | Source | None = None,
+    data: str | os.PathLike[str] | DataSource | TextSource | None = None,
     tokenizer_path: str | os.PathLike[str] | None = None,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     *,
@@ -83,24 +88,44 @@ def load_corpus(
 ) -> Corpus:
     """Load (building and caching on first use) the tokenised corpus.
 
-    `data`: a path for `--data`, a `Source`, or None for the standard library. `tokenizer_path`: a
-    `tokenizer.json`, or None to train a byte-level BPE of `vocab_size` on the source's training split.
+    `data`: `--data` (a path or `hf:...`), a `DataSource`, a source, or None for the standard library.
+    `tokenizer_path`: a `tokenizer.json`, or None to train a byte-level BPE of `vocab_size` on the
+    source's training split.
     `cache`: the cache folder, by default `$SWARMNODE_CACHE` or `~/.cache/swarmnode`.
     Raises `DataError` for unusable data or tokenizer files.
     """
-    if isinstance(data, Source):
-        source = data
-    else:
-        source = default_source() if data is None else user_source(Path(data))
+    source = _source(data)
     cache = cache_dir() if cache is None else cache
     path = cached_tokenizer(source, vocab_size, cache) if tokenizer_path is None else Path(tokenizer_path)
     tokenizer = load_tokenizer(path)
     digest = file_digest(path)
     train, val = _cached_tokens(source, tokenizer, cache / f"tokens-{source.identity}-{digest}")
-    return Corpus(tokenizer, path, digest, source.identity, eos_id(tokenizer), train, val)
+    about = (source.fingerprint, source.label)
+    return Corpus(tokenizer, path, digest, source.identity, eos_id(tokenizer), train, val, *about)
 
 
-def encode_source(source: Source, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+def _source(data: str | os.PathLike[str] | DataSource | TextSource | None) -> TextSource:
+    if data is None or isinstance(data, str | os.PathLike):
+        try:
+            spec = DataSource.parse(None if data is None else os.fspath(data))
+        except SourceSpecError as error:
+            raise DataError(str(error)) from None
+        return open_source(spec)
+    return open_source(data) if isinstance(data, DataSource) else data
+
+
+def open_source(spec: DataSource) -> TextSource:
+    """The source a run's `data_source` (or `--data`) describes; `hf:` ones need the `datasets` library."""
+    if spec.kind == "default":
+        return default_source()
+    if spec.kind == "local":
+        return user_source(Path(str(spec.name)), spec.text_column)
+    from swarmnode.hf_data import hf_source
+
+    return hf_source(str(spec.name), spec.config, str(spec.split), spec.text_column)
+
+
+def encode_source(source: TextSource, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Encode every document followed by end-of-text; return the (train, val) token ids."""
     eos = eos_id(tokenizer)
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
@@ -108,7 +133,8 @@ def encode_source(source: Source, tokenizer: Tokenizer) -> tuple[np.ndarray, np.
     # A literal "<|endoftext|>" inside a document is text, not a document boundary.
     previous, tokenizer.encode_special_tokens = tokenizer.encode_special_tokens, True
     try:
-        for chunk in _chunked(source.documents(), _ENCODE_CHUNK):
+        documents = progress(source.documents(), f"encoding {source.label}", "docs")
+        for chunk in _chunked(documents, _ENCODE_CHUNK):
             encodings = tokenizer.encode_batch([doc.text for doc in chunk], add_special_tokens=False)
             for doc, encoding in zip(chunk, encodings, strict=True):
                 ids = np.empty(len(encoding.ids) + 1, dtype)
@@ -121,7 +147,7 @@ def encode_source(source: Source, tokenizer: Tokenizer) -> tuple[np.ndarray, np.
         return np.concatenate(parts[False]), np.concatenate(parts[True])
     tokens = np.concatenate(parts[False] + parts[True]) if parts[False] or parts[True] else np.empty(0, dtype)
     if len(tokens) < 2:
-        raise DataError(f"{source.root}: no text to train on")
+        raise DataError(f"{source.label}: no text to train on")
     n_val = max(1, round(len(tokens) * VAL_FRACTION))
     return tokens[:-n_val], tokens[-n_val:]
 
@@ -180,6 +206,34 @@ def val_batches(
     return [_windows(tokens, row, seq_len) for row in starts.reshape(n_batches, batch_size)]
 
 
+def check_run_data(corpus: Corpus, source: DataSource, tokenizer_digest: str | None, vocab_size: int) -> None:
+    """DataError, in one line saying what differs and what to do, if a data node's `corpus` is not the
+    run's: another tokenizer (vocabulary or digest), or another copy of the run's `source`."""
+    mine = f"this node's tokenizer ({corpus.tokenizer_path}"
+    fetch = "drop --tokenizer to fetch the run's from the bootstrap, or pass the run's tokenizer.json"
+    if corpus.vocab_size != vocab_size:
+        raise DataError(f"{mine}) has {corpus.vocab_size} tokens, the run's model {vocab_size}: {fetch}")
+    if tokenizer_digest is not None and corpus.tokenizer_digest != tokenizer_digest:
+        raise DataError(
+            f"{mine}, digest {corpus.tokenizer_digest}) is not the run's (digest {tokenizer_digest}): "
+            f"data nodes must tokenise alike; {fetch}"
+        )
+    theirs = source.fingerprint
+    if theirs is None or theirs == corpus.source_fingerprint:
+        return
+    if source.kind == "default":
+        version = theirs.removeprefix("py").split("-")[0]
+        todo = f"the default corpus is this Python's standard library: run this node with Python {version}"
+    elif source.kind == "local":
+        todo = f"give this node the run's files at {source.name}"
+    else:
+        todo = f"give this node the bootstrap's copy of {source.name}"
+    raise DataError(
+        f"this node's data ({corpus.source_label}, fingerprint {corpus.source_fingerprint}) is not the run's "
+        f"({source}, fingerprint {theirs}): {todo}"
+    )
+
+
 def check_splits(corpus: Corpus, seq_len: int, source: str) -> None:
     """DataError naming `source` and the split if a split is too short for one window of `seq_len`."""
     for split, tokens in (("training", corpus.train_tokens), ("validation", corpus.val_tokens)):
@@ -204,7 +258,7 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torc
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def _cached_tokens(source: Source, tokenizer: Tokenizer, stem: Path) -> tuple[np.ndarray, np.ndarray]:
+def _cached_tokens(source: TextSource, tokenizer: Tokenizer, stem: Path) -> tuple[np.ndarray, np.ndarray]:
     paths = (stem.with_name(stem.name + "-train.npy"), stem.with_name(stem.name + "-val.npy"))
     if not all(path.is_file() for path in paths):
         with file_lock(stem):

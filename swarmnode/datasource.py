@@ -1,9 +1,10 @@
 """Where training text comes from: the default corpus, the user's files, the held-out split and the cache.
 
 The default corpus is the source of the running interpreter's standard library (`*.py`, without its test
-folders). `--data PATH` names a `.txt`, `.jsonl` (a "text" field per line) or `.parquet` (a "text" column)
-file, or a folder searched recursively for them. Every source is a sorted list of files, read in that order,
-and yields documents: a whole `.py`/`.txt` file, one JSONL line, one Parquet row.
+folders). `--data PATH` names a `.txt`, `.jsonl` (a "text" field per line, or `--text-column`'s) or
+`.parquet` (a "text" column, or `--text-column`'s) file, or a folder searched recursively for them. Every
+such source is a sorted list of files, read in that order, and yields documents: a whole `.py`/`.txt`
+file, one JSONL line, one Parquet row. `hf:` sources are read by `swarmnode.hf_data`.
 
 Validation split: a document is held out when a hash of its key (relative path, plus `:line` or `#row`)
 falls in the lowest `VAL_FRACTION` of the hash range. The rule depends only on the key, so every machine
@@ -24,9 +25,11 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import IO, NamedTuple, Protocol
 
 import pyarrow.parquet as pq
+
+from swarmnode.source_spec import DEFAULT_TEXT_COLUMN
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # Test suites, installed packages and the build-configuration files whose content names local install paths.
@@ -47,22 +50,51 @@ class Document(NamedTuple):
     text: str
 
 
+class TextSource(Protocol):
+    """Documents and their names: `identity` names cache files (it changes when this machine's copy
+    changes), `fingerprint` compares copies across machines, `label` names the source in messages."""
+
+    @property
+    def identity(self) -> str: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
+
+    def documents(self) -> Iterator[Document]: ...
+
+    def split(self, validation: bool) -> Iterator[Document]: ...
+
+
 @dataclass(frozen=True)
 class Source:
-    """A sorted list of text files under `root` and the identity used to name cache files."""
+    """A sorted list of text files under `root`, the identity used to name cache files, the column or field
+    holding the text of `.jsonl`/`.parquet` files, and a fingerprint of names and sizes (None: `identity`)."""
 
     root: Path
     files: tuple[str, ...]
     identity: str
+    text_column: str = DEFAULT_TEXT_COLUMN
+    portable: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.portable or self.identity
+
+    @property
+    def label(self) -> str:
+        return str(self.root / self.files[0]) if len(self.files) == 1 else str(self.root)
 
     def documents(self) -> Iterator[Document]:
         """Yield the non-empty documents of every file, in order."""
         for rel in self.files:
             path = self.root / rel
             if path.suffix == ".jsonl":
-                yield from _jsonl_documents(path, rel)
+                yield from _jsonl_documents(path, rel, self.text_column)
             elif path.suffix == ".parquet":
-                yield from _parquet_documents(path, rel)
+                yield from _parquet_documents(path, rel, self.text_column)
             else:
                 text = path.read_bytes().decode("utf-8", errors="replace")
                 if text:
@@ -100,11 +132,12 @@ def default_source(root: Path | None = None) -> Source:
     if not files:
         raise DataError(f"{root}: no Python files for the default corpus")
     sizes: list[object] = [(rel, (root / rel).stat().st_size) for rel in files]
-    return Source(root, files, f"py{platform.python_version()}-{_fingerprint(sizes)}")
+    return Source(root, files, f"py{platform.python_version()}-{fingerprint(sizes)}")
 
 
-def user_source(path: Path) -> Source:
-    """The `.txt`, `.jsonl` and `.parquet` files at `path`: a file, or a folder (hidden folders skipped)."""
+def user_source(path: Path, text_column: str = DEFAULT_TEXT_COLUMN) -> Source:
+    """The `.txt`, `.jsonl` and `.parquet` files at `path`: a file, or a folder (hidden folders skipped);
+    `text_column` names the field or column of the text in `.jsonl` and `.parquet` files."""
     path = path.expanduser()
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
@@ -127,17 +160,24 @@ def user_source(path: Path) -> Source:
     stats = [(rel, (root / rel).stat()) for rel in files]
     if all(st.st_size == 0 for _, st in stats):
         raise DataError(f"{path}: empty")
-    listing: list[object] = [str(root.resolve())]
+    if text_column != DEFAULT_TEXT_COLUMN and not any(
+        Path(rel).suffix in (".jsonl", ".parquet") for rel in files
+    ):
+        raise DataError(f"{path}: no .jsonl or .parquet file for --text-column {text_column!r}")
+    listing: list[object] = [str(root.resolve()), text_column]
     listing += [(rel, st.st_size, st.st_mtime_ns) for rel, st in stats]
-    return Source(root, tuple(files), f"data-{_fingerprint(listing)}")
+    portable: list[object] = [text_column, *((rel, st.st_size) for rel, st in stats)]
+    identity, shared = f"data-{fingerprint(listing)}", f"files-{fingerprint(portable)}"
+    return Source(root, tuple(files), identity, text_column, shared)
 
 
-def _fingerprint(listing: list[object]) -> str:
+def fingerprint(listing: list[object]) -> str:
+    """A short hash of a JSON-able listing (and the format version), naming what was built from it."""
     payload = json.dumps([FORMAT_VERSION, listing]).encode("utf-8")
     return hashlib.sha256(payload).hexdigest()[:16]
 
 
-def _jsonl_documents(path: Path, rel: str) -> Iterator[Document]:
+def _jsonl_documents(path: Path, rel: str, column: str) -> Iterator[Document]:
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
             line = raw.decode("utf-8", errors="replace").strip()
@@ -147,22 +187,23 @@ def _jsonl_documents(path: Path, rel: str) -> Iterator[Document]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            text = record.get("text") if isinstance(record, dict) else None
+            text = record.get(column) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise DataError(f'{path}:{number}: no string "text" field')
+                raise DataError(f'{path}:{number}: no string "{column}" field (--text-column names it)')
             if text:
                 yield Document(f"{rel}:{number}", text)
 
 
-def _parquet_documents(path: Path, rel: str) -> Iterator[Document]:
+def _parquet_documents(path: Path, rel: str, column: str) -> Iterator[Document]:
     try:
         table = pq.ParquetFile(path)
     except Exception as exc:
         raise DataError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
-    if "text" not in table.schema_arrow.names:
-        raise DataError(f'{path}: no "text" column')
+    names = table.schema_arrow.names
+    if column not in names:
+        raise DataError(f'{path}: no "{column}" column (it has {", ".join(names)}; --text-column names it)')
     row = 0
-    for batch in table.iter_batches(columns=["text"]):
+    for batch in table.iter_batches(columns=[column]):
         for text in batch.column(0).to_pylist():
             if isinstance(text, str) and text:
                 yield Document(f"{rel}#{row}", text)

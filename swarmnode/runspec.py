@@ -16,6 +16,7 @@ from typing import Any
 from protocols.messages import PROTOCOL_VERSION
 from swarmnode import __version__
 from swarmnode.presets import get_preset
+from swarmnode.source_spec import DataSource, SourceSpecError
 
 COMPRESSIONS = ("none", "float16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -38,7 +39,7 @@ class RunSpec:
     run_id: str = "swarm"
     preset: str = "tiny"
     stages: int = 3
-    data: str | None = None
+    data: str | None = None  # `--data` as given (None: the default corpus); `data_source` describes it
     vocab_size: int = 4096
     seed: int = 0
     microbatches: int = 4
@@ -62,6 +63,7 @@ class RunSpec:
     tokenizer_digest: str | None = (
         None  # the run's tokenizer.json (`tokenizer.file_digest`): data nodes match it
     )
+    data_source: DataSource | None = None  # None (definitions from before it): what `data` names
     swarmnode_version: str = __version__  # of the bootstrap that published the run
     protocol_version: int = PROTOCOL_VERSION  # the wire protocol (`protocols.messages`) every node must speak
     hop_timeout_s: float = 10.0
@@ -86,6 +88,15 @@ class RunSpec:
             raise RunSpecError(f"run id {self.run_id!r} must be 1-64 characters without '.'")
         if self.data is not None and not isinstance(self.data, str):
             raise RunSpecError(f"run field 'data' must be a path string or null, got {self.data!r}")
+        if self.data_source is not None:
+            if not isinstance(self.data_source, DataSource):
+                raise RunSpecError(f"run field 'data_source' must be a mapping, got {self.data_source!r}")
+            try:
+                named = DataSource.parse(self.data, self.data_source.text_column).locator()
+            except SourceSpecError as error:
+                raise RunSpecError(f"run field 'data': {error}") from None
+            if named != self.data_source.locator():
+                raise RunSpecError(f"run field 'data_source' ({self.data_source}) is not what 'data' names")
         try:
             preset = get_preset(self.preset)
         except ValueError as error:
@@ -157,6 +168,23 @@ class RunSpec:
         )
         return base.with_overrides(**overrides)
 
+    @property
+    def source(self) -> DataSource:
+        """The run's data source: `data_source`, or (an older definition) what `data` names."""
+        return self.data_source or DataSource.parse(self.data)
+
+    def with_data(self, data: str | None, text_column: str | None = None) -> RunSpec:
+        """This run reading `data` (`--data`; None: the run's) from `text_column` (None: the run's), its
+        `data_source` described (SourceSpecError for a bad pair)."""
+        column = text_column if text_column is not None else self.source.text_column
+        named = self.data if data is None else data
+        described = DataSource.parse(named, None if named is None and text_column is None else column)
+        return replace(self, data=named, data_source=described)
+
+    def with_fingerprint(self, fingerprint: str) -> RunSpec:
+        """This run with the bootstrap's fingerprint of its data (`DataSource.fingerprint`)."""
+        return replace(self, data_source=replace(self.source, fingerprint=fingerprint))
+
     def init_digest(self, stage: int) -> str | None:
         """The digest of `stage`'s initial weights, if the run starts from weights."""
         return None if self.init_digests is None else self.init_digests.split(",")[stage]
@@ -190,7 +218,11 @@ class RunSpec:
                 f"unknown run field(s): {', '.join(unknown)}; the fields are {', '.join(known)}"
             )
         try:
+            if raw.get("data_source") is not None:
+                raw = {**raw, "data_source": DataSource.from_dict(raw["data_source"])}
             return cls(**raw)
+        except SourceSpecError as error:
+            raise RunSpecError(f"run field 'data_source': {error}") from None
         except (KeyError, TypeError) as error:
             raise RunSpecError(f"invalid run definition: {error}") from None
 

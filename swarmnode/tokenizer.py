@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from swarmnode.datasource import DataError, Source, atomic_write, file_lock, one_line
+from swarmnode.datasource import DataError, TextSource, atomic_write, file_lock, one_line
+from swarmnode.progress import progress
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-text tokens recognised in a user's tokenizer.json, in order of preference.
@@ -64,14 +65,15 @@ def eos_id(tokenizer: Tokenizer, path: Path | None = None) -> int:
     raise DataError(f"{where}tokenizer has no end-of-text token (one of {', '.join(EOS_CANDIDATES)})")
 
 
-def cached_tokenizer(source: Source, vocab_size: int, cache: Path) -> Path:
+def cached_tokenizer(source: TextSource, vocab_size: int, cache: Path) -> Path:
     """The path of the tokenizer trained on `source`'s training split, training it once if not cached."""
     path = cache / f"tokenizer-{source.identity}-v{vocab_size}.json"
     if path.is_file():
         return path
     with file_lock(path):
         if not path.is_file():
-            tokenizer = train_tokenizer(_train_texts(source), vocab_size)
+            texts = progress(_train_texts(source), f"training the tokenizer on {source.label}", "docs")
+            tokenizer = train_tokenizer(texts, vocab_size)
             data = tokenizer.to_str().encode("utf-8")
             atomic_write(path, lambda handle: handle.write(data))
     return path
@@ -82,7 +84,7 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:DIGEST_CHARS]
 
 
-def _train_texts(source: Source) -> Iterable[str]:
+def _train_texts(source: TextSource) -> Iterable[str]:
     """The training split's texts; all texts when the source is too small to have a training document."""
     seen = False
     for doc in source.split(validation=False):

@@ -112,7 +112,17 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option("--run-id", default=None, help="Name of the run on the DHT.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps of each data node.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None, help="Microbatches per iteration.")
-@click.option("--data", default=None, help="Data path every data node reads (default: the stdlib corpus).")
+@click.option(
+    "--data",
+    default=None,
+    help="What every data node reads: a .txt/.jsonl/.parquet file or folder (the same path on every data "
+    "node), or hf:NAME[:CONFIG][:SPLIT], a Hugging Face dataset (default: the stdlib corpus).",
+)
+@click.option(
+    "--text-column",
+    default=None,
+    help="The field or column holding the text (.jsonl, .parquet, hf:; default: text).",
+)
 @click.option(
     "--tokenizer",
     type=click.Path(path_type=Path),
@@ -162,6 +172,7 @@ def bootstrap(
     steps: int | None,
     microbatches: int | None,
     data: str | None,
+    text_column: str | None,
     tokenizer: Path | None,
     seed: int | None,
     checkfree_plus: bool | None,
@@ -197,19 +208,19 @@ def bootstrap(
             stages=stages,
             total_steps=steps,
             microbatches=microbatches,
-            data=data,
             seed=seed,
             checkfree_plus=checkfree_plus,
             skip_ratio=skip_ratio,
             noloco_inner_steps=noloco_every,
             compression=compression,
             dtype=dtype,
-        )
-        corpus = load_corpus(spec.data, tokenizer, spec.vocab_size)
-        check_splits(corpus, spec.seq_len, spec.data or "the default corpus")
+        ).with_data(data, text_column)
+        corpus = load_corpus(spec.source, tokenizer, spec.vocab_size)
+        check_splits(corpus, spec.seq_len, str(spec.source))
     except (RunSpecError, ValueError, DataError) as error:
         raise click.UsageError(str(error.args[0] if error.args else error)) from None
     spec = spec.with_overrides(vocab_size=corpus.vocab_size, tokenizer_digest=corpus.tokenizer_digest)
+    spec = spec.with_fingerprint(corpus.source_fingerprint)
     seed = None
     if init_from is not None:
         seed = _seed_or_fail(init_from, spec, corpus.tokenizer_path)

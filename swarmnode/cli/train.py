@@ -18,6 +18,7 @@ from swarmnode.cli.options import (
     preset_or_fail,
     stages_or_fail,
 )
+from swarmnode.source_spec import DataSource, SourceSpecError
 
 
 @click.command()
@@ -27,7 +28,14 @@ from swarmnode.cli.options import (
 )
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Optimizer steps.")
 @click.option(
-    "--data", type=click.Path(path_type=Path), default=None, help="Text/JSONL/Parquet file or folder."
+    "--data",
+    default=None,
+    help="A .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG][:SPLIT] (a Hugging Face dataset).",
+)
+@click.option(
+    "--text-column",
+    default=None,
+    help="The field or column holding the text (.jsonl, .parquet, hf:; default: text).",
 )
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None, help="A tokenizer.json to use.")
 @click.option(
@@ -61,7 +69,8 @@ def train(
     preset: str,
     stages: int | None,
     steps: int,
-    data: Path | None,
+    data: str | None,
+    text_column: str | None,
     tokenizer: Path | None,
     seed: int,
     eval_every: int,
@@ -82,10 +91,14 @@ def train(
     out_folder_or_fail(out)
     if init_from is not None and tokenizer is None:
         tokenizer = init_tokenizer_or_fail(init_from)
-    corpus = load_corpus_or_fail(data, tokenizer, chosen.vocab_size, chosen.seq_len)
+    try:
+        source = DataSource.parse(data, text_column)
+    except SourceSpecError as error:
+        raise click.UsageError(str(error)) from None
+    corpus = load_corpus_or_fail(source, tokenizer, chosen.vocab_size, chosen.seq_len)
     init_from_or_fail(init_from, replace(chosen.model, vocab_size=corpus.vocab_size), chosen.name)
     config = TrainConfig(
-        preset, n_stages, steps, data, tokenizer, seed, eval_every, None, init_from, out, device, dtype
+        preset, n_stages, steps, source, tokenizer, seed, eval_every, None, init_from, out, device, dtype
     )
 
     with click.progressbar(length=steps, label="training", file=sys.stderr, show_pos=True) as bar:

@@ -15,7 +15,7 @@ import torch
 from protocols.links import Network
 from protocols.membership import Claim, ClaimAction, Looked, Member, StageClaim, Take
 from protocols.messages import NodeRecord, NodeState
-from swarmnode.data import check_splits, load_corpus
+from swarmnode.data import check_run_data, check_splits, load_corpus
 from swarmnode.datasource import cache_dir
 from swarmnode.dht import Reach, SwarmDHT, peer_ids_of
 from swarmnode.node.daemon import Node
@@ -257,18 +257,9 @@ def _build_node(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) 
     direct = options.host if options.direct else None
     precision = Precision.parse(options.device, options.dtype or spec.dtype)
     if stage == 0:
-        corpus = load_corpus(spec.data, options.tokenizer, spec.vocab_size)
-        if corpus.vocab_size != spec.vocab_size:
-            raise ValueError(
-                f"this node's tokenizer has {corpus.vocab_size} tokens, the run's model {spec.vocab_size}"
-            )
-        if spec.tokenizer_digest is not None and corpus.tokenizer_digest != spec.tokenizer_digest:
-            mine, theirs = corpus.tokenizer_digest[:12], spec.tokenizer_digest[:12]
-            raise ValueError(
-                f"this node's tokenizer ({corpus.tokenizer_path}, digest {mine}) is not the run's (digest "
-                f"{theirs}): data nodes must tokenise alike; pass the run's tokenizer.json with --tokenizer"
-            )
-        check_splits(corpus, spec.seq_len, spec.data or "the default corpus")
+        corpus = load_corpus(spec.source, options.tokenizer, spec.vocab_size)
+        check_run_data(corpus, spec.source, spec.tokenizer_digest, spec.vocab_size)
+        check_splits(corpus, spec.seq_len, str(spec.source))
         node: Node = DataNode(spec, dht, direct, corpus, options.shard, precision=precision)
     else:
         node = StageNode(spec, stage, dht, direct, rebalance=options.rebalance, precision=precision)
