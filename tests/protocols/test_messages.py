@@ -40,6 +40,7 @@ from protocols.messages import (
     encode,
 )
 from protocols.reach import ReachReply, ReachRequest
+from protocols.standby import StandbyRecord
 
 HIDDEN = TensorSpec("hidden", (4, 128, 64), "bfloat16")
 PHI = (TensorSpec("layers.0.w", (64, 64), "float32"), TensorSpec("layers.0.b", (64,), "float32"))
@@ -82,6 +83,7 @@ EXAMPLES = [
     StateTransfer("run-1", 2, (StatePart.WEIGHTS, StatePart.OPTIMIZER), 7, 1, 0.5, PHI, lr_factor=1.1),
     ReachRequest((31337, 4001)),
     ReachReply("203.0.113.7", (31337,)),
+    StandbyRecord(taken=2, site="Belgium"),
     TokenizerRequest("run-1", "0123456789abcdef"),
     TokenizerTransfer("run-1", "0123456789abcdef", 2_500_000),
     Route("run-1", 7, 3, (*PATH, PATH[0]), 1),
