@@ -188,8 +188,13 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
     view = node.snapshot
     if not swarm_has_trained(view):
         return None
-    alive = {k for k in range(spec.stages + 1) if await trained_peers(node.transport, view, node.me, k)}
-    if await live_peers(node.transport, view, node.me, node.stage):
+    stages = range(spec.stages + 1)
+    trained, replicas = await asyncio.gather(  # every stage's peers pinged at once
+        asyncio.gather(*(trained_peers(node.transport, view, node.me, k) for k in stages)),
+        live_peers(node.transport, view, node.me, node.stage),
+    )
+    alive = {k for k, peers in zip(stages, trained, strict=True) if peers}
+    if replicas:
         alive.add(node.stage)  # a replica of this node's own stage is copied whatever its history
     holders = {
         part: any(part in peer.record.copies for peer in view.stages.get(k, ()) if peer.peer_id != node.me)

@@ -109,45 +109,49 @@ async def stand_by(
                     return action.stage, building
                 if isinstance(action, Claim):
                     logger.warning("stage %d lost: claiming it as a standby", action.stage)
-                    await dht.publish(
-                        NodeRecord(NodeState.JOINING, action.stage, 0, 0, site=site), spec.record_ttl_s
-                    )
+                    claim = NodeRecord(NodeState.JOINING, action.stage, 0, 0, site=site)
+                    await _quietly(
+                        dht.publish(claim, spec.record_ttl_s), "claim"
+                    )  # if lost: seen at the settle
                     building = prepare(action.stage)
                 elif isinstance(action, Withdraw):
                     logger.info(
                         "stage %d is served or claimed by another node: standing by again", action.stage
                     )
                     building = None
-                    await dht.publish(
-                        NodeRecord(NodeState.LEAVING, action.stage, 0, 0, site=site), spec.record_ttl_s
-                    )
+                    withdrawn = NodeRecord(NodeState.LEAVING, action.stage, 0, 0, site=site)
+                    await _quietly(dht.publish(withdrawn, spec.record_ttl_s), "withdrawal")
                 elif isinstance(action, Watch):
                     if await _stopped(stopping, action.after_s) or not dht.alive:
                         return None
-                    following = machine.handle(await watcher.look(action.fresh))
+                    try:
+                        following = machine.handle(await watcher.look(action.fresh))
+                    except TimeoutError:  # a slow DHT: look again (the machine waits for its look)
+                        logger.warning("reading the swarm timed out; looking again")
+                        following = (action,)
             actions = following
     finally:
         announcing.cancel()
         await asyncio.gather(announcing, return_exceptions=True)
         await transport.close()
         if machine.stage is not None and machine.phase is StandbyPhase.TAKEN:
-            await _quietly(
-                publish_standby(dht, StandbyRecord(taken=machine.stage, site=site), spec.record_ttl_s)
-            )
+            taken = StandbyRecord(taken=machine.stage, site=site)
+            await _quietly(publish_standby(dht, taken, spec.record_ttl_s), "standby record")
 
 
 async def _announce(dht: SwarmDHT, spec: RunSpec, site: str | None) -> None:
     """Republish this node's standby record every record period."""
     while True:
-        await _quietly(publish_standby(dht, StandbyRecord(site=site), spec.record_ttl_s))
+        await _quietly(publish_standby(dht, StandbyRecord(site=site), spec.record_ttl_s), "standby record")
         await asyncio.sleep(spec.record_period_s)
 
 
-async def _quietly(publishing: Coroutine[Any, Any, bool]) -> None:
+async def _quietly(publishing: Coroutine[Any, Any, bool], what: str) -> None:
+    """Store a record; a DHT that does not answer in time is logged, not raised (the next look decides)."""
     try:
         await publishing
-    except (TimeoutError, OSError) as error:
-        logger.warning("the DHT did not store this node's standby record: %s", error or "timed out")
+    except TimeoutError:
+        logger.warning("the DHT did not store this node's %s in time", what)
 
 
 async def _stopped(stopping: asyncio.Event, seconds: float) -> bool:
