@@ -79,16 +79,17 @@ async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, tuple[Member, ...
     chosen the stage but do not serve yet)."""
     snapshot = Snapshot(await dht.read_swarm(spec.stages))
     transport = Transport(await dht.replicate_p2p())
-    live = {}
-    for stage in range(spec.stages + 1):
-        answering_peers = set(await answering(transport, snapshot.online(stage), stage))
-        live[stage] = tuple(
+    stages = range(spec.stages + 1)
+    answers = await asyncio.gather(*(answering(transport, snapshot.online(k), k) for k in stages))
+    await transport.close()
+    return {
+        stage: tuple(
             Member(p.peer_id, p.record.state, p.expires_at, p.record.throughput)
             for p in snapshot.stages.get(stage, ())
             if p.peer_id in answering_peers or p.record.state in (NodeState.JOINING, NodeState.RECOVERING)
         )
-    await transport.close()
-    return live
+        for stage, answering_peers in zip(stages, map(set, answers), strict=True)
+    }
 
 
 async def claim_stage(dht: SwarmDHT, spec: RunSpec) -> int:
