@@ -50,6 +50,7 @@ class RunSpec:
     total_steps: int = 1000
     max_grad_norm: float = 1.0
     skip_ratio: float = 0.0
+    min_data_nodes: int = 1  # a fresh swarm trains once this many data nodes are online (they start together)
     node_memory: int = 4
     checkfree_plus: bool = True
     noloco_inner_steps: int = 50
@@ -109,6 +110,7 @@ class RunSpec:
         positive = (
             "vocab_size",
             "microbatches",
+            "min_data_nodes",
             "batch_size",
             "seq_len",
             "total_steps",

@@ -18,7 +18,7 @@ from protocols.stepbook import MicrobatchKey
 from swarmnode.identity import Identity
 from swarmnode.model import build_stage
 from swarmnode.model_config import ModelConfig
-from swarmnode.node.planning import RememberedView, Snapshot, plan_iteration
+from swarmnode.node.planning import RememberedView, Snapshot, not_ready_to_start, plan_iteration
 from swarmnode.node.state import (
     StateMismatch,
     check_replica_state,
@@ -107,6 +107,16 @@ def test_a_read_seen_before_renews_nothing() -> None:
     remembered.update(read, now=0.0)
     remembered.update(read, now=20.0)  # no newer read for 20 s: b was last seen at 0
     assert remembered.update(snapshot(s0=("d",)), now=21.0).online(2) == []
+
+
+def test_a_fresh_swarm_starts_with_every_stage_and_its_data_nodes() -> None:
+    spec = RunSpec(run_id="r", stages=2, min_data_nodes=3)
+    assert not_ready_to_start(snapshot(s0=("d",), s1=("a",)), "d", spec) == ["stage 2", "2 more data nodes"]
+    stages = {"s1": ("a",), "s2": ("b",)}
+    assert not_ready_to_start(snapshot(s0=("d", "e"), **stages), "d", spec) == ["1 more data node"]
+    assert not_ready_to_start(snapshot(s0=("e", "f"), **stages), "d", spec) == []  # d counts itself
+    with pytest.raises(RunSpecError, match="min_data_nodes"):
+        RunSpec(run_id="r", min_data_nodes=0)
 
 
 def test_plan_is_empty_without_any_transformer_stage() -> None:

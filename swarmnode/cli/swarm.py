@@ -140,6 +140,12 @@ def _peers_or_fail(value: str | None) -> list[str]:
 )
 @click.option("--noloco-every", type=click.IntRange(min=1), default=None, help="NoLoCo inner steps H.")
 @click.option(
+    "--min-data-nodes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="A fresh swarm trains once this many data nodes are online, so they start together (default 1).",
+)
+@click.option(
     "--compression",
     type=click.Choice(["none", "float16"]),
     default=None,
@@ -178,6 +184,7 @@ def bootstrap(
     checkfree_plus: bool | None,
     skip_ratio: float | None,
     noloco_every: int | None,
+    min_data_nodes: int | None,
     compression: str | None,
     dtype: str | None,
     init_from: Path | None,
@@ -212,6 +219,7 @@ def bootstrap(
             checkfree_plus=checkfree_plus,
             skip_ratio=skip_ratio,
             noloco_inner_steps=noloco_every,
+            min_data_nodes=min_data_nodes,
             compression=compression,
             dtype=dtype,
         ).with_data(data, text_column)

@@ -77,7 +77,7 @@ class SwarmConfig:
             "--run-id", self.run_id, "--host", "127.0.0.1", "--port", "0",
             "--peers-file", str(self.peers_file), "--steps", str(self.steps), "--seed", str(self.seed),
             "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus", "--dtype", self.dtype,
-            "--skip-ratio", str(self.skip_ratio),
+            "--skip-ratio", str(self.skip_ratio), "--min-data-nodes", str(self.data_nodes),
         ]  # fmt: skip
 
     def join_argv(

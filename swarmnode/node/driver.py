@@ -57,7 +57,7 @@ from swarmnode.node.daemon import Node
 from swarmnode.node.events import emit
 from swarmnode.node.iteration import Running, running
 from swarmnode.node.liveness import answering
-from swarmnode.node.planning import PlannedMicrobatch, plan_iteration
+from swarmnode.node.planning import PlannedMicrobatch, not_ready_to_start, plan_iteration
 from swarmnode.node.worker import DataWorker
 from swarmnode.precision import Overflow, Precision
 from swarmnode.runspec import RunSpec
@@ -155,18 +155,21 @@ class DataNode(Node):
         await self.evaluate()
 
     async def _await_pipeline(self) -> None:
-        """A fresh swarm trains once every transformer stage has an online node in this node's view. Paths
-        planned while some stage was still starting skip it, and a few such first steps (stage 2 fed raw
-        embeddings, the head fed stage 2's output) left a 2x1 swarm stalled near 6.2 where runs without
-        them reach 5.4. Skipping is for stages lost later, while they are rebuilt."""
-        stages = range(1, self.spec.stages + 1)
-        missing = [k for k in stages if not self.snapshot.online(k)]
-        if missing:
-            logger.info("waiting for stages %s to have an online node before training", missing)
-        while missing and not self._stopping.is_set():
+        """A fresh swarm trains once every transformer stage has an online node in this node's view, and the
+        run's `min_data_nodes` data nodes are online. Paths planned while some stage was still starting skip
+        it, and a few such first steps (stage 2 fed raw embeddings, the head fed stage 2's output) left a
+        2x1 swarm stalled near 6.2 where runs without them reach 5.4. A data node that starts a few seconds
+        before another trains its first iterations alone, and how many depends on the timing: two runs of one
+        seed of a 2x1 swarm, the second data node 3 s late in both, went apart within six steps (5.209 and
+        5.013 at step 100). Skipping is for stages lost later, while they are rebuilt."""
+
+        waiting = not_ready_to_start(self.snapshot, self.me, self.spec)
+        if waiting:
+            logger.info("waiting for %s to be online before training", ", ".join(waiting))
+        while waiting and not self._stopping.is_set():
             await asyncio.sleep(self.spec.record_period_s)
             await self.refresh_snapshot()
-            missing = [k for k in stages if not self.snapshot.online(k)]
+            waiting = not_ready_to_start(self.snapshot, self.me, self.spec)
 
     @property
     def _tokens_per_mb(self) -> int:

@@ -165,6 +165,14 @@ def plan_iteration(
     return planned
 
 
+def not_ready_to_start(snapshot: Snapshot, me: str, spec: RunSpec) -> list[str]:
+    """What a fresh swarm still lacks before data node `me` trains: stages with no online node, and data
+    nodes short of the run's `min_data_nodes` (empty: start)."""
+    stages = [f"stage {k}" for k in range(1, spec.stages + 1) if not snapshot.online(k)]
+    short = spec.min_data_nodes - len({*snapshot.online(0), me})
+    return stages + ([f"{short} more data node{'s' if short > 1 else ''}"] if short > 0 else [])
+
+
 def link_costs(snapshot: Snapshot, peers: Sequence[str]) -> Callable[[int, int], float]:
     """The seconds of a hop from `peers[a]` to `peers[b]`: what a measured (its record's `links`), else what
     b measured the other way, and never less than `LOOPBACK_LINK_S` (the cost of an unmeasured link), so
