@@ -1,6 +1,7 @@
 """SkipPipe scheduling benchmark: expected iteration time of each method against the published figures.
 
-Run from the repository root: `python benchmarks/skippipe_bench.py [--seeds N] [--old REV] [--no-scaling]`.
+Run from the repository root: `python benchmarks/skippipe_bench.py [--seeds N] [--old REV] [--only TABLE]
+[--scaling-seeds N] [--json FILE]`.
 Prints one table per setting; seeded methods show the mean over N seeds with the range. "skippipe" draws
 replicas a data node must reach (PathRules.replica_mixing, default 0.25) so that no data node stays pinned
 to one replica; the "mixing off" row switches that off, as in the reference schedule, which pins one loop
@@ -18,7 +19,11 @@ Settings:
   simulator (the committed reference schedule simulates to 32.9 s against the published 33.3 s);
 - a seeded random 40-node swarm: the 12 sites (NL-London corrected: a 132 s hop dominates any plan that
   has to use it), heterogeneous compute (0.5-2x), 8 stages, 6 data nodes;
-- scaling: seeded swarms of 20 to 1,000 nodes and 5 to 16 stages (`scaled_swarm`), one seed each.
+- scaling: the reference scenario and seeded swarms of 20 to 1,000 nodes and 4 to 16 stages
+  (`scaled_swarm`): planning time per iteration (CPU and wall) and plan quality against the full pipeline,
+  with the old planner's (`--old`, up to `OLD_UP_TO` nodes) as ratios measured in the same run.
+
+`--json FILE` writes every table's rows and the machine's load average.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 import io
 import json
+import os
 import random
 import re
 import statistics
@@ -54,8 +61,12 @@ PUBLISHED = {
 NL_LONDON_FIXED = {("NL", "London"): 0.00023681640625 * 1000}
 # The paths of the committed schedule.json of gensyn-ai/skippipe ("ca-paths"): one loop per data node.
 COMMITTED_LOOPS = {0: (6, 12, 5), 3: (14, 2, 18), 4: (1, 15, 19), 10: (13, 17, 7), 11: (8, 16, 9)}
-SCALING = ((20, 5), (40, 8), (100, 8), (250, 12), (500, 16), (1000, 16))
-OLD_UP_TO = 100  # nodes: beyond, the old planner's exhaustive order ranking takes minutes
+SCALING = ((20, 5), (20, 4), (40, 8), (100, 8), (300, 8), (500, 16), (1000, 16))  # (20, 5): the reference
+OLD_UP_TO = 300  # nodes: beyond, the old planner takes minutes per plan
+TABLES = ("methods", "effort", "scaling")
+DEFAULT_EFFORT = tuple(
+    inspect.signature(schedule).parameters[name].default for name in ("restarts", "rounds")
+)  # the planner's default (restarts, rounds)
 Method = Callable[[SwarmView, PathRules, int], Plan]
 
 
@@ -63,11 +74,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5, help="seeds per seeded method")
     parser.add_argument("--old", metavar="REV", help="git revision whose planner to compare with")
-    parser.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
+    parser.add_argument("--only", action="append", choices=TABLES, help="run only these tables (repeatable)")
+    parser.add_argument("--scaling-seeds", type=int, default=1, help="seeds per row of the scaling table")
+    parser.add_argument("--json", metavar="FILE", type=Path, help="also write every row as JSON to FILE")
     args = parser.parse_args()
     seeds = range(args.seeds)
+    tables = args.only or TABLES
     old = _old_planner(args.old) if args.old else None
     data = json.loads(DATA.read_text())
+    report: dict[str, Any] = {"old": args.old, "load_before": os.getloadavg()}
+    if "methods" in tables:
+        report["methods"] = _methods(data, seeds, old)
+    if "effort" in tables:
+        report["effort"] = _effort(data, seeds, old)
+    if "scaling" in tables:
+        report["scaling"] = _scaling(data, old, range(args.scaling_seeds))
+    report["load_after"] = os.getloadavg()
+    print(f"\nload average (1, 5, 15 min): before {report['load_before']}, after {report['load_after']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _methods(data: dict[str, Any], seeds: range, old: ModuleType | None) -> list[dict[str, Any]]:
+    rows = []
     for forward, note in ((None, "as written: 1.76 s forward"), (0.44, "calibrated: 0.44 s forward")):
         for fix, link in ((None, "NL-London as published"), (NL_LONDON_FIXED, "NL-London x1000")):
             scenario = scenario_from_dict(data, bandwidth_overrides=fix)
@@ -76,14 +105,10 @@ def main() -> None:
                 view = dataclasses.replace(view, forward_s=tuple(forward for _ in view.forward_s))
             committed = _committed_schedule_time(view, scenario.rules)
             title = f"reference scenario, {note}, {link}; committed reference schedule: {committed:.1f} s"
-            _table(title, view, scenario.rules, scenario.published_s, seeds, old)
+            rows += _table(title, view, scenario.rules, scenario.published_s, seeds, old)
     view, rules = random_swarm(data, seed=40)
-    _table(
-        "random 40-node heterogeneous swarm (seed 40), 1.76 s forward x 0.5-2", view, rules, {}, seeds, old
-    )
-    _effort(data, seeds, old)
-    if not args.no_scaling:
-        _scaling(data, old)
+    title = "random 40-node heterogeneous swarm (seed 40), 1.76 s forward x 0.5-2"
+    return rows + _table(title, view, rules, {}, seeds, old)
 
 
 def random_swarm(data: dict[str, Any], seed: int) -> tuple[SwarmView, PathRules]:
@@ -154,7 +179,7 @@ def _table(
     published: Mapping[str, float],
     seeds: range,
     old: ModuleType | None,
-) -> None:
+) -> list[dict[str, Any]]:
     print(f"\n{title}")
     print(
         f"{'method':<40}{'ours s':>8}{'range':>13}{'vs full':>9}{'fifo s':>8}{'fifo vs full':>13}"
@@ -167,26 +192,39 @@ def _table(
         rows.append(("skippipe, old planner", _old_method(old), rules, "skippipe"))
     full = full_pipeline_plan(view, rules)
     full_s, full_fifo = full.iteration_time_s, _fifo(full, view)
+    out = []
     for label, method, method_rules, published_name in rows:
         runs = [_timed(method, view, method_rules, seed) for seed in seeds]
         times = [plan.iteration_time_s for plan, _, _ in runs]
         fifo = statistics.fmean(_fifo(plan, view) for plan, _, _ in runs)
         mean = statistics.fmean(times)
         paper = published.get(published_name)
+        out.append(
+            {
+                "setting": title,
+                "method": label,
+                "iteration_s": times,
+                "vs_full": mean / full_s,
+                "fifo_vs_full": fifo / full_fifo,
+                "wall_ms": [w for _, w, _ in runs],
+                "cpu_ms": [c for _, _, c in runs],
+            }
+        )
         print(
             f"{label:<40}{mean:>8.1f}{f'{min(times):.1f}-{max(times):.1f}':>13}{mean / full_s:>9.3f}"
             f"{fifo:>8.1f}{fifo / full_fifo:>13.3f}{'' if paper is None else f'{paper:.1f}':>13}"
             f"{statistics.fmean(plan.collisions for plan, _, _ in runs):>12.1f}"
             f"{statistics.fmean(w for _, w, _ in runs):>9.0f}{statistics.fmean(c for _, _, c in runs):>8.0f}"
         )
+    return out
 
 
-def _effort(data: dict[str, Any], seeds: range, old: ModuleType | None) -> None:
+def _effort(data: dict[str, Any], seeds: range, old: ModuleType | None) -> list[dict[str, Any]]:
     """Planner effort (restarts, rounds) against plan quality on the reference scenario as written, at 1.76
     and 0.44 s forward; ratios to the default effort (and to the old planner's default) in this run."""
     print("\nplanner effort on the reference scenario (mean over seeds; cpu per plan)")
     print(
-        f"{'restarts, rounds':<20}{'1.76 s fwd: s':>14}{'0.44 s fwd: s':>14}{'cpu ms':>8}{'vs default':>12}",
+        f"{'restarts, rounds':<26}{'1.76 s fwd: s':>14}{'0.44 s fwd: s':>14}{'cpu ms':>8}{'vs default':>12}",
         end="",
     )
     print(f"{'vs old: s':>10}{'cpu':>7}" if old is not None else "")
@@ -194,33 +232,44 @@ def _effort(data: dict[str, Any], seeds: range, old: ModuleType | None) -> None:
     fast = dataclasses.replace(scenario.view, forward_s=tuple(0.44 for _ in scenario.view.forward_s))
     efforts: list[tuple[str, Method]] = [
         (f"{r}, {n}", lambda v, rules, seed, r=r, n=n: schedule(v, rules, seed, restarts=r, rounds=n))
-        for r, n in ((4, 600), (3, 300), (2, 250), (2, 60), (1, 0))
+        for r, n in dict.fromkeys((DEFAULT_EFFORT, (4, 600), (3, 300), (2, 250), (2, 60), (1, 0)))
     ]
     if old is not None:
-        efforts.insert(0, ("old planner 4, 600", _old_method(old)))
+        efforts.insert(0, ("old planner, its default", _old_method(old)))
     rows = {}
     for label, method in efforts:
         runs = [_timed(method, v, scenario.rules, seed) for v in (scenario.view, fast) for seed in seeds]
         slow_s = statistics.fmean(plan.iteration_time_s for plan, _, _ in runs[: len(seeds)])
         fast_s = statistics.fmean(plan.iteration_time_s for plan, _, _ in runs[len(seeds) :])
         rows[label] = (slow_s, fast_s, statistics.fmean(cpu for _, _, cpu in runs))
-    default = rows["4, 600"]
+    default = rows["{}, {}".format(*DEFAULT_EFFORT)]
+    out = []
     for label, (slow_s, fast_s, cpu) in rows.items():
-        line = f"{label:<20}{slow_s:>14.2f}{fast_s:>14.2f}{cpu:>8.0f}{cpu / default[2]:>12.3f}"
+        line = f"{label:<26}{slow_s:>14.2f}{fast_s:>14.2f}{cpu:>8.0f}{cpu / default[2]:>12.3f}"
+        row = {"effort": label, "iteration_s_176": slow_s, "iteration_s_044": fast_s, "cpu_ms": cpu}
         if old is not None:
-            base = rows["old planner 4, 600"]
-            quality = (slow_s / base[0] + fast_s / base[1]) / 2
-            line += f"{quality:>10.3f}{cpu / base[2]:>7.3f}"
+            base = rows["old planner, its default"]
+            row["quality_vs_old"] = (slow_s / base[0] + fast_s / base[1]) / 2
+            row["cpu_vs_old"] = cpu / base[2]
+            line += f"{row['quality_vs_old']:>10.3f}{row['cpu_vs_old']:>7.3f}"
+        out.append(row)
         print(line, flush=True)
+    return out
 
 
-def _scaling(data: dict[str, Any], old: ModuleType | None) -> None:
-    print("\nscaling (seed 0): planner time and plan quality against the full pipeline (own model; FIFO)")
+def _scaling(data: dict[str, Any], old: ModuleType | None, seeds: range) -> list[dict[str, Any]]:
+    """Per swarm size, the planner's CPU and wall seconds per iteration (default effort) and its plans'
+    iteration time against the full pipeline's, in its own model and FIFO; the old planner's beside it."""
+    print(
+        f"\nscaling (mean over {len(seeds)} seed(s)): planner time per iteration and plan quality against the"
+        " full pipeline (own model; FIFO)"
+    )
     header = f"{'nodes':>6}{'stages':>7}{'data':>5}{'mbs':>5}{'full s':>8}{'skippipe s':>11}{'vs full':>8}"
-    header += f"{'fifo vs full':>13}{'cpu s':>7}"
+    header += f"{'fifo vs full':>13}{'cpu s':>8}{'wall s':>8}"
     if old is not None:
-        header += f"{'old vs full':>12}{'old cpu s':>10}{'cpu new/old':>12}"
+        header += f"{'old vs full':>12}{'old cpu s':>10}{'quality new/old':>16}{'cpu new/old':>12}"
     print(header)
+    out = []
     for n_nodes, n_stages in SCALING:
         if (n_nodes, n_stages) == (20, 5):
             scenario = scenario_from_dict(data)
@@ -228,19 +277,39 @@ def _scaling(data: dict[str, Any], old: ModuleType | None) -> None:
         else:
             view, rules = scaled_swarm(data, n_nodes, n_stages, seed=0)
         full = full_pipeline_plan(view, rules)
-        plan, _, cpu = _timed(schedule, view, rules, 0)
+        full_fifo = _fifo(full, view)
+        runs = [_timed(schedule, view, rules, seed) for seed in seeds]
+        row: dict[str, Any] = {
+            "nodes": n_nodes,
+            "stages": n_stages,
+            "data_nodes": len(view.data_nodes),
+            "microbatches": len(runs[0][0].paths),
+            "full_s": full.iteration_time_s,
+            "skippipe_s": statistics.fmean(plan.iteration_time_s for plan, _, _ in runs),
+            "fifo_vs_full": statistics.fmean(_fifo(plan, view) for plan, _, _ in runs) / full_fifo,
+            "cpu_s": statistics.fmean(cpu for _, _, cpu in runs) / 1000,
+            "wall_s": statistics.fmean(wall for _, wall, _ in runs) / 1000,
+        }
+        row["vs_full"] = row["skippipe_s"] / row["full_s"]
         line = (
-            f"{n_nodes:>6}{n_stages:>7}{len(view.data_nodes):>5}{len(plan.paths):>5}"
-            f"{full.iteration_time_s:>8.1f}{plan.iteration_time_s:>11.1f}"
-            f"{plan.iteration_time_s / full.iteration_time_s:>8.3f}"
-            f"{_fifo(plan, view) / _fifo(full, view):>13.3f}"
-            f"{cpu / 1000:>7.2f}"
+            f"{n_nodes:>6}{n_stages:>7}{row['data_nodes']:>5}{row['microbatches']:>5}{row['full_s']:>8.1f}"
+            f"{row['skippipe_s']:>11.1f}{row['vs_full']:>8.3f}{row['fifo_vs_full']:>13.3f}"
+            f"{row['cpu_s']:>8.3f}{row['wall_s']:>8.3f}"
         )
         if old is not None and n_nodes <= OLD_UP_TO:
-            old_plan, _, old_cpu = _timed(_old_method(old), view, rules, 0)
-            line += f"{old_plan.iteration_time_s / full.iteration_time_s:>12.3f}{old_cpu / 1000:>10.2f}"
-            line += f"{cpu / old_cpu:>12.3f}"
+            old_runs = [_timed(_old_method(old), view, rules, seed) for seed in seeds]
+            old_s = statistics.fmean(plan.iteration_time_s for plan, _, _ in old_runs)
+            row["old_vs_full"] = old_s / row["full_s"]
+            row["old_cpu_s"] = statistics.fmean(cpu for _, _, cpu in old_runs) / 1000
+            row["quality_new_vs_old"] = row["skippipe_s"] / old_s
+            row["cpu_new_vs_old"] = row["cpu_s"] / row["old_cpu_s"]
+            line += (
+                f"{row['old_vs_full']:>12.3f}{row['old_cpu_s']:>10.3f}{row['quality_new_vs_old']:>16.3f}"
+                f"{row['cpu_new_vs_old']:>12.3f}"
+            )
+        out.append(row)
         print(line, flush=True)
+    return out
 
 
 def _old_planner(rev: str) -> ModuleType:
