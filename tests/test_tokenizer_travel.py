@@ -4,6 +4,7 @@ that lacks it, checked on arrival (a file of another digest is rejected and logg
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 
@@ -93,24 +94,30 @@ def test_a_file_of_another_digest_is_rejected_and_the_next_peer_asked(
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_data_node_without_the_file_fetches_the_bootstraps_tokenizer(
     swarm: LocalTestSwarm, tmp_path: Path
 ) -> None:
-    data = tmp_path / "corpus.txt"
-    data.write_text(TEXT * 2)
+    """A run on an `hf:` folder with a custom tokenizer: the data node is given nothing but the bootstrap's
+    address, reads the data the run definition describes and fetches the tokenizer into an empty cache."""
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    rows = TEXT.split("\n\n") * 2
+    (folder / "train.jsonl").write_text("".join(json.dumps({"body": row}) + "\n" for row in rows))
     tokenizer = custom_tokenizer(tmp_path / "custom.json")
     digest = file_digest(tokenizer)
-    bootstrap = swarm.bootstrap("--tokenizer", str(tokenizer), "--data", str(data), steps=2)
+    data = ["--data", f"hf:{folder}", "--text-column", "body"]
+    bootstrap = swarm.bootstrap("--tokenizer", str(tokenizer), *data, steps=2)
     run = bootstrap.events("bootstrap")[0]["run"]
     assert run["vocab_size"] == 300 and run["tokenizer_digest"] == digest
+    assert run["data_source"]["kind"] == "hf" and run["data_source"]["text_column"] == "body"
     cache = tmp_path / "empty-cache"  # this node has never seen the file
     argv = [swarm.python, "-m", "swarmnode", "join", "--stage", "0", "--initial-peers", str(swarm.peers_file)]
     argv += ["--run-id", swarm.run_id, "--threads", "1", "-v"]
     node = NodeProcess("data", tuple(argv), swarm.folder, {**python_env(), "SWARMNODE_CACHE": str(cache)})
     swarm.nodes.append(node)
-    node.wait_event("online", 180)
+    node.wait_event("online", 240)
     fetched = cache / "tokenizers" / f"{digest}.json"
     assert fetched.read_bytes() == tokenizer.read_bytes()
     assert "fetched the run's tokenizer" in node.stderr_tail(200)
-    assert list(cache.glob(f"tokens-*-{digest}-train.npy")), sorted(p.name for p in cache.iterdir())
+    assert list(cache.glob(f"tokens-hf-*-{digest}-train.npy")), sorted(p.name for p in cache.iterdir())
