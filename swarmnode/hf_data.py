@@ -76,7 +76,12 @@ def hf_source(name: str, config: str | None, split: str, text_column: str) -> HF
 
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.parts))
+    """The folder's files, hidden ones (`.cache` that `datasets` may write, `.git`) left out."""
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
 
 
 def _rows(source: HFSource) -> Iterator[dict[str, Any]]:

@@ -39,13 +39,17 @@ from swarmnode.dht import SwarmDHT
 from swarmnode.node.checks import Rejected, decode_from_peer
 from swarmnode.runspec import RunSpec
 from swarmnode.tokenizer import DIGEST_CHARS, load_tokenizer
-from swarmnode.transport import Transport, TransportError
+from swarmnode.transport import Limits, Transport, TransportConfig, TransportError
 
 logger = logging.getLogger(__name__)
 
 FETCH_ATTEMPTS = 3
 FETCH_TIMEOUT_S = 30.0
 TOKENIZER_FOLDER = "tokenizers"  # under the cache folder: `{digest}.json`
+# a reply larger than the largest tokenizer (and its header) is dropped before it is read
+FETCH_CONFIG = TransportConfig(
+    limits=Limits(max_message_bytes=MAX_TOKENIZER_BYTES + (1 << 20), max_tensors=1)
+)
 
 
 class TokenizerFetchError(DataError):
@@ -180,7 +184,7 @@ async def obtain_tokenizer(spec: RunSpec, given: Path | None, dht: SwarmDHT, cac
         for record in await dht.read_stage(0)
         if record.record.state == NodeState.ONLINE and record.peer_id != dht.peer_id
     ]
-    transport = Transport(await dht.replicate_p2p())
+    transport = Transport(await dht.replicate_p2p(), FETCH_CONFIG)
     try:
         peers = [*sorted(dht.run_owners), *data_nodes]
         return await fetch_tokenizer(transport, spec.run_id, digest, peers, cache)

@@ -106,13 +106,20 @@ def test_an_hf_folder_is_read_through_datasets_like_the_same_files(tmp_path: Pat
 
 
 def test_parquet_shards_in_a_data_folder_are_one_split(tmp_path: Path) -> None:
-    folder = tmp_path / "shards"
+    folder = tmp_path / ".store" / "shards"  # a hidden folder above the dataset's is no hidden file of it
     (folder / "data").mkdir(parents=True)
     for i in range(2):
         table = pa.table({"content": LINES[i * 1000 : (i + 1) * 1000]})
         pq.write_table(table, folder / "data" / f"train-0000{i}-of-00002.parquet")
     corpus = load_corpus(DataSource.parse(f"hf:{folder}", "content"), cache=tmp_path / "cache")
     assert corpus.vocab_size > 256 and len(corpus.train_tokens) > 10_000
+    (folder / "data" / "train-00001-of-00002.parquet").unlink()
+    pq.write_table(pa.table({"content": LINES[1000:1500]}), folder / "data" / "train-00001-of-00002.parquet")
+    fewer = load_corpus(
+        DataSource.parse(f"hf:{folder}", "content"), corpus.tokenizer_path, cache=tmp_path / "cache"
+    )
+    assert fewer.source_fingerprint != corpus.source_fingerprint  # a changed copy is another copy
+    assert len(fewer.train_tokens) < len(corpus.train_tokens)
 
 
 def test_bad_hf_input_is_one_line_naming_the_thing(tmp_path: Path) -> None:
