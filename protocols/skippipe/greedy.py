@@ -19,6 +19,7 @@ and where ranking every order would take too long the completion's stage sets ar
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Mapping
@@ -231,28 +232,31 @@ class _Planner:
             start = self.look[d].earliest_start(release, fwd[d])
             layer = {d: (start + fwd[d], ((d, start),))}
         else:
-            before = self._forward(d, release, prefix[:-1], layers)
-            layer = {}
-            arrivals = {}
-            open_replicas = [
+            before = list(self._forward(d, release, prefix[:-1], layers).items())
+            replicas = [
                 y for y in self.view.stages[prefix[-1]] if self.caps is None or self.visits[y] < self.caps[y]
             ]
-            for y in open_replicas:
-                arrive, x = math.inf, -1
-                for v, (t, _) in before.items():  # the first earliest, as min() would
-                    if t + links[v][y] < arrive:
-                        arrive, x = t + links[v][y], v
-                if x >= 0:
-                    arrivals[y] = (arrive, x)
-            replicas = list(arrivals)
-            if len(replicas) > _WIDTH:  # keep the replicas that look soonest done, counting their load
-                loads = {y: fwd[y] * (1 + len(self.look[y].holds)) for y in replicas}
-                replicas = sorted(replicas, key=lambda y: (arrivals[y][0] + loads[y], y))[:_WIDTH]
-            for y in replicas:
-                arrive, x = arrivals[y]
+            layer = {}
+            if not before or not replicas:
+                layers[prefix] = layer
+                return layer
+            rows = [[t + links[v][y] for y in replicas] for v, (t, _) in before]  # arrival from each source
+            arrivals = rows[0] if len(rows) == 1 else list(map(min, *rows))
+            kept = list(enumerate(replicas))
+            if len(kept) > _WIDTH:  # keep the replicas that look soonest done, counting their load
+                look = self.look
+                kept = [
+                    (j, y)
+                    for _, y, j in heapq.nsmallest(
+                        _WIDTH, ((arrivals[j] + fwd[y] * (1 + len(look[y].holds)), y, j) for j, y in kept)
+                    )
+                ]
+            for j, y in kept:
+                arrive = arrivals[j]
+                source = next(r for r, row in enumerate(rows) if row[j] == arrive)  # the first earliest
                 timeline = self.look[y]
                 begin = timeline.earliest_start(timeline.slot_free(arrive, memory), fwd[y])
-                layer[y] = (begin + fwd[y], (*before[x][1], (y, begin)))
+                layer[y] = (begin + fwd[y], (*before[source][1][1], (y, begin)))
         layers[prefix] = layer
         return layer
 

@@ -34,7 +34,7 @@ from protocols.skippipe import schedule as plan_skippipe
 @click.option(
     "--restarts",
     type=click.IntRange(min=1),
-    default=4,
+    default=2,
     show_default=True,
     help="Planner constructions (fewer: faster, plans a little slower).",
 )
