@@ -15,6 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from swarmnode.datasource import DataError, TextSource, atomic_write, file_lock, one_line
+from swarmnode.progress import enabled as progress_enabled
 from swarmnode.progress import progress
 
 EOS_TOKEN = "<|endoftext|>"
@@ -25,8 +26,11 @@ _MIN_VOCAB_SIZE = 257  # 256 byte tokens and the end-of-text token
 DIGEST_CHARS = 16  # hex characters of a tokenizer's SHA-256 kept as its digest
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
-    """Train a byte-level BPE tokenizer (with `EOS_TOKEN` as id 0) on `texts`."""
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, show_progress: bool = False
+) -> Tokenizer:
+    """Train a byte-level BPE tokenizer (with `EOS_TOKEN` as id 0) on `texts`; `show_progress`: the
+    `tokenizers` library's own bars for counting pairs and computing merges, on stderr."""
     if vocab_size < _MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {_MIN_VOCAB_SIZE}, got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
@@ -36,7 +40,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
@@ -73,7 +77,7 @@ def cached_tokenizer(source: TextSource, vocab_size: int, cache: Path) -> Path:
     with file_lock(path):
         if not path.is_file():
             texts = progress(_train_texts(source), f"training the tokenizer on {source.label}", "docs")
-            tokenizer = train_tokenizer(texts, vocab_size)
+            tokenizer = train_tokenizer(texts, vocab_size, progress_enabled())
             data = tokenizer.to_str().encode("utf-8")
             atomic_write(path, lambda handle: handle.write(data))
     return path
