@@ -5,6 +5,8 @@ run's, bad input as one-line errors, and progress bars."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import click.testing
@@ -171,3 +173,22 @@ def test_progress_bars_when_asked(
     err = capfd.readouterr().err
     shown = "training the tokenizer on" in err and "encoding" in err and "300" in err
     assert shown == (asked == "1"), err
+
+
+def test_datasets_is_imported_only_for_hf_data(tmp_path: Path) -> None:
+    data = jsonl(tmp_path / "d.jsonl", LINES[:400], "text")
+    probe = f"""
+import sys
+from click.testing import CliRunner
+from swarmnode.cli import main
+from swarmnode.data import load_corpus
+for command in ("train", "bootstrap", "join"):
+    assert CliRunner().invoke(main, [command, "--help"]).exit_code == 0
+from pathlib import Path
+load_corpus({str(data)!r}, cache=Path({str(tmp_path / "cache")!r}))
+print("datasets" in sys.modules)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr[-2000:]
