@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from protocols.messages import MAX_TOKENIZER_BYTES
 from swarmnode.datasource import DataError, TextSource, atomic_write, file_lock, one_line
 from swarmnode.progress import enabled as progress_enabled
 from swarmnode.progress import progress
@@ -47,10 +48,14 @@ def train_tokenizer(
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
-    """Load a `tokenizer.json`; raise `DataError` if it is missing, does not parse or has no end-of-text."""
+    """Load a `tokenizer.json`; raise `DataError` if it is missing, too large to travel, does not parse or
+    has no end-of-text."""
     path = path.expanduser()
     if not path.is_file():
         raise DataError(f"{path}: no such tokenizer file")
+    if path.stat().st_size > MAX_TOKENIZER_BYTES:
+        limit = MAX_TOKENIZER_BYTES >> 20
+        raise DataError(f"{path}: over the {limit} MiB a run's tokenizer may have (it travels to data nodes)")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:

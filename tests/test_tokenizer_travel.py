@@ -10,11 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from hivemind.p2p import PeerID
 from swarm_harness import LocalTestSwarm, NodeProcess, python_env
 from transport_harness import running_swarm
 
-from protocols.messages import Error, Rpc, TokenizerRequest, TokenizerTransfer, decode, encode
+from protocols.messages import (
+    MAX_TOKENIZER_BYTES,
+    Error,
+    Rpc,
+    TokenizerRequest,
+    TokenizerTransfer,
+    decode,
+    encode,
+)
+from swarmnode.cli import main
 from swarmnode.tokenizer import file_digest, train_tokenizer
 from swarmnode.tokenizer_fetch import (
     TokenizerFetchError,
@@ -121,3 +131,13 @@ def test_a_data_node_without_the_file_fetches_the_bootstraps_tokenizer(
     assert fetched.read_bytes() == tokenizer.read_bytes()
     assert "fetched the run's tokenizer" in node.stderr_tail(200)
     assert list(cache.glob(f"tokens-hf-*-{digest}-train.npy")), sorted(p.name for p in cache.iterdir())
+
+
+def test_a_tokenizer_too_large_to_travel_is_a_one_line_error(tmp_path: Path) -> None:
+    big = tmp_path / "tokenizer.json"
+    with big.open("wb") as handle:  # sparse: the size is checked before anything is read
+        handle.truncate(MAX_TOKENIZER_BYTES + 1)
+    result = CliRunner().invoke(main, ["bootstrap", "--tokenizer", str(big)])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(errors) == 1 and str(big) in errors[0] and "64 MiB" in errors[0], result.output
