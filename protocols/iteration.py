@@ -13,7 +13,8 @@ no late work touches the gradients (`awaits_loss` and `may_apply` say no).
 
 While it waits, the data node pings the peers on the paths of pending microbatches (`Tick` -> `Ping`); a
 microbatch whose path still holds a peer `dead_grace_s` after that peer was found dead was held by it and
-is lost. One re-routed around the peer no longer has it on its path (`RouteNotice`), and comes back.
+is lost. One re-routed around the peer no longer has it on its path (`RouteNotice`), and comes back; the
+peers a re-route left out are suspected (`Suspect`), so the next plans go around them too.
 """
 
 from __future__ import annotations
@@ -245,8 +246,10 @@ class DataIteration:
             raise ForgedReturn(pending)
         if isinstance(event, RouteNotice):
             if event.hop > mb.routed_at and mb.state in OUTBOUND:
+                gone = [peer for peer in mb.path[event.hop + 1 : -1] if peer not in event.path]
                 mb.path, mb.routed_at = tuple(event.path), event.hop
                 self._reroutes += 1
+                return tuple(Suspect(peer) for peer in dict.fromkeys(gone))  # plan around them a while
             return ()
         if isinstance(event, Returned):
             if mb.state not in OUTBOUND:

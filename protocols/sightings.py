@@ -6,8 +6,9 @@ data node that planned from that read alone routed every microbatch of the itera
 `0, 1, 3, 0` in a run whose skip ratio is 0), which trains a different network for that step and made the
 outcome of a run depend on the machine's load. So a peer seen online is remembered for `grace_s` after the
 last read that showed it. It is forgotten at once when a read shows its record in another state (leaving,
-recovering) or under another stage only. A peer that is truly gone is found out sooner by the calls that fail
-to reach it (the router's suspects) than by its record's expiry.
+recovering) or under another stage only, or when calls to it failed and the latest read lacks it too
+(`forget`): a peer that is really gone is found out sooner by the calls that fail to reach it than by its
+record's expiry.
 
 Sans-I/O: reads come in as `(peer, stage, online)` sightings with the time they were made.
 """
@@ -49,6 +50,12 @@ class Sightings:
             if key[0] not in online or key[1] not in online[key[0]]:
                 self._seen.pop(key, None)  # its record says it is leaving or recovering
         for key in [key for key, seen in self._seen.items() if now - seen > self.grace_s]:
+            del self._seen[key]
+
+    def forget(self, peers: Iterable[str]) -> None:
+        """Drop `peers` (calls to them failed): what the next read shows of them counts again."""
+        gone = set(peers)
+        for key in [key for key in self._seen if key[0] in gone]:
             del self._seen[key]
 
     def present(self, now: float) -> set[tuple[str, int]]:

@@ -101,6 +101,14 @@ def test_a_stage_missing_from_one_read_is_not_skipped() -> None:
     assert stale.online(2) == []
 
 
+def test_a_suspect_missing_from_the_latest_read_is_dropped_and_one_still_in_it_is_kept() -> None:
+    remembered = RememberedView(grace_s=8.0)
+    remembered.update(snapshot(s0=("d",), s2=("b", "b2")), now=0.0)
+    read = snapshot(s0=("d",), s2=("b2",))  # b's record expired: it was SIGKILLed, and forwards to it failed
+    assert remembered.update(read, now=1.0, suspects={"b", "b2"}).online(2) == ["b2"]
+    assert remembered.update(read, now=2.0).online(2) == ["b2"]  # forgotten, not merely suspected
+
+
 def test_a_read_seen_before_renews_nothing() -> None:
     remembered = RememberedView(grace_s=8.0)
     read = snapshot(s0=("d",), s2=("b",))

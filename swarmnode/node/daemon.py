@@ -221,9 +221,10 @@ class Node:
 
     def view(self) -> Snapshot:
         """The swarm to route with: the latest read, plus peers a recent read showed online (a live node's
-        record can be missing from one read on a loaded machine: `protocols.sightings`). Decisions that a
-        stage is lost read `snapshot`, the latest read alone."""
-        return self._remembered.update(self.snapshot, time.monotonic())
+        record can be missing from one read on a loaded machine: `protocols.sightings`), less those that calls
+        failed to reach and the latest read lacks. Decisions that a stage is lost read `snapshot`, the latest
+        read alone."""
+        return self._remembered.update(self.snapshot, time.monotonic(), self.router.suspects())
 
     def snapshot_online(self, stage: int) -> list[str]:
         return self.view().online(stage)

@@ -360,7 +360,7 @@ class DataNode(Node):
         notice = RouteNotice(
             peer, route.path[0], route.iteration, route.microbatch, route.nonce, route.path, route.hop
         )
-        run.take(notice, route)  # a notice only changes the path watched: no action
+        await self._carry_out(run, run.take(notice, route))  # the path it watches; suspect the peers left out
         return encode(Ack()), []
 
     async def _on_backward(

@@ -13,7 +13,7 @@ the timing.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from protocols.checkfree import swap_edge_pairs, swaps_edge_pairs
@@ -72,8 +72,9 @@ class RememberedView:
         self._records: dict[tuple[str, int], PeerRecord] = {}
         self._last_read: Snapshot | None = None
 
-    def update(self, snapshot: Snapshot, now: float) -> Snapshot:
-        """The view at `now`; `snapshot` is the latest read (a read already seen renews no sighting)."""
+    def update(self, snapshot: Snapshot, now: float, suspects: Collection[str] = ()) -> Snapshot:
+        """The view at `now`; `snapshot` is the latest read (a read already seen renews no sighting). Peers in
+        `suspects` (calls to them failed) that the latest read lacks are forgotten."""
         if snapshot is not self._last_read:
             self._last_read = snapshot
             read = [
@@ -86,6 +87,8 @@ class RememberedView:
                 for peer in peers:
                     if peer.record.state == NodeState.ONLINE:
                         self._records[(peer.peer_id, stage)] = peer
+        in_read = {peer.peer_id for peers in snapshot.stages.values() for peer in peers}
+        self._sightings.forget(peer for peer in suspects if peer not in in_read)
         present = self._sightings.present(now)
         self._records = {key: record for key, record in self._records.items() if key in present}
         stages = {stage: list(peers) for stage, peers in snapshot.stages.items()}

@@ -139,7 +139,7 @@ def test_a_microbatch_re_routed_around_a_dead_peer_is_not_lost() -> None:
     iteration.handle(Sent(0, PATHS[0]))
     iteration.handle(PeersChecked(now=1.0, silent=frozenset({"s2a"})))
     rerouted = (ME, "s1a", "s2c", ME)  # s1a found s2a dead and sent the hop to s2c
-    assert iteration.handle(RouteNotice("s1a", ME, 7, 0, NONCES[0], rerouted, hop=1)) == ()
+    assert iteration.handle(RouteNotice("s1a", ME, 7, 0, NONCES[0], rerouted, hop=1)) == (Suspect("s2a"),)
     assert iteration.path(0) == rerouted
     assert iteration.handle(PeersChecked(now=5.0, silent=frozenset())) == ()
     assert iteration.state(0) is State.SENT

@@ -44,6 +44,15 @@ def test_forgotten_peers_do_not_come_back_without_a_read() -> None:
     assert sightings.present(0.5) == set()  # forgotten, not merely out of the window
 
 
+def test_a_forgotten_peer_counts_again_from_the_next_read_that_shows_it() -> None:
+    sightings = Sightings(grace_s=8.0)
+    sightings.observe([("a", 1, True), ("b", 1, True)], now=0.0)
+    sightings.forget(["a"])  # calls to it failed
+    assert sightings.present(1.0) == {("b", 1)}
+    sightings.observe([("a", 1, True)], now=2.0)
+    assert ("a", 1) in sightings.present(2.0)
+
+
 @pytest.mark.parametrize("grace", [-1.0, math.nan, math.inf])
 def test_bad_grace_is_refused(grace: float) -> None:
     with pytest.raises(LocalProtocolError, match="grace_s"):
