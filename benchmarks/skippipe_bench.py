@@ -236,9 +236,13 @@ def _effort(data: dict[str, Any], seeds: range, old: ModuleType | None) -> list[
     ]
     if old is not None:
         efforts.insert(0, ("old planner, its default", _old_method(old)))
+    timed: dict[str, list[tuple[Plan, float, float]]] = {label: [] for label, _ in efforts}
+    for v in (scenario.view, fast):  # the efforts take turns per plan, so that the load drifts alike
+        for seed in seeds:
+            for label, method in efforts:
+                timed[label].append(_timed(method, v, scenario.rules, seed))
     rows = {}
-    for label, method in efforts:
-        runs = [_timed(method, v, scenario.rules, seed) for v in (scenario.view, fast) for seed in seeds]
+    for label, runs in timed.items():
         slow_s = statistics.fmean(plan.iteration_time_s for plan, _, _ in runs[: len(seeds)])
         fast_s = statistics.fmean(plan.iteration_time_s for plan, _, _ in runs[len(seeds) :])
         rows[label] = (slow_s, fast_s, statistics.fmean(cpu for _, _, cpu in runs))
