@@ -92,7 +92,7 @@ def test_a_data_node_with_another_tokenizer_is_refused_in_one_line(
     )
     data = swarm.join(0, "--tokenizer", str(other))
     assert data.wait_exit(90) == 2
-    errors = [line for line in data.stderr_tail(40).splitlines() if line.startswith("Error:")]
+    errors = [line for line in data.stderr_tail(400).splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "is not the run's" in errors[0] and "--tokenizer" in errors[0]
 
 
