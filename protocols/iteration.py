@@ -12,9 +12,10 @@ lost, or at its deadline (what is pending then is lost); from then on every mess
 no late work touches the gradients (`awaits_loss` and `may_apply` say no).
 
 While it waits, the data node pings the peers on the paths of pending microbatches (`Tick` -> `Ping`); a
-microbatch whose path still holds a peer `dead_grace_s` after that peer was found dead was held by it and
-is lost. One re-routed around the peer no longer has it on its path (`RouteNotice`), and comes back; the
-peers a re-route left out are suspected (`Suspect`), so the next plans go around them too.
+microbatch whose path still holds a peer `dead_grace_s` after that peer was found dead (at once if it could
+not even be reached) was held by it and is lost. One re-routed around the peer no longer has it on its path
+(`RouteNotice`), and comes back; the peers a re-route left out are suspected (`Suspect`), so the next plans
+go around them too.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ class DataIteration:
         elif isinstance(event, Tick):
             return self._tick(event.now)
         elif isinstance(event, PeersChecked):
-            actions = self._checked(event.now, event.silent)
+            actions = self._checked(event.now, event.silent, event.unreachable)
         elif isinstance(event, AbortReceived):
             ours = (event.origin, event.iteration) == (self.me, self.number)
             actions = self._lose(event.microbatch, event.reason) if ours else ()
@@ -272,11 +273,14 @@ class DataIteration:
         peers -= {self.me, *self._dead_since}
         return (Ping(tuple(sorted(peers))),) if peers else ()
 
-    def _checked(self, now: float, silent: frozenset[str]) -> tuple[Action, ...]:
-        """Silent peers are dead from `now` on; microbatches held by a peer dead for the grace are lost."""
+    def _checked(self, now: float, silent: frozenset[str], unreachable: frozenset[str]) -> tuple[Action, ...]:
+        """Silent peers are dead from `now` on; microbatches held by a peer dead for the grace are lost. The
+        grace waits for a re-route around a peer that may only be slow; an unreachable peer is gone, and a
+        microbatch still on a path through it is lost at once: waiting for its re-route cost the swarm up to
+        2 s after each kill, and with one replica of the stage a re-route only skips the stage."""
         actions: list[Action] = []
         for peer in sorted(silent - self._dead_since.keys() - {self.me}):
-            self._dead_since[peer] = now
+            self._dead_since[peer] = now - self.dead_grace_s if peer in unreachable else now
             actions.append(Suspect(peer))
         dead = {peer for peer, since in self._dead_since.items() if now - since >= self.dead_grace_s}
         for index, mb in self._microbatches.items():

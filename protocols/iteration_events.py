@@ -119,10 +119,12 @@ class Tick:
 
 @dataclass(frozen=True)
 class PeersChecked:
-    """The answers to a `Ping` sent at `now`: `silent` are the peers that did not answer."""
+    """The answers to a `Ping` sent at `now`: `silent` are the peers that did not answer, `unreachable` those
+    of them that could not even be reached (refused, no such peer: gone, not slow)."""
 
     now: float
     silent: frozenset[str]
+    unreachable: frozenset[str] = frozenset()
 
 
 Event = (

@@ -56,7 +56,7 @@ from swarmnode.node.compute import Priority
 from swarmnode.node.daemon import Node
 from swarmnode.node.events import emit
 from swarmnode.node.iteration import Running, running
-from swarmnode.node.liveness import answering
+from swarmnode.node.liveness import unanswered
 from swarmnode.node.planning import PlannedMicrobatch, not_ready_to_start, plan_iteration
 from swarmnode.node.worker import DataWorker
 from swarmnode.precision import Overflow, Precision
@@ -282,8 +282,8 @@ class DataNode(Node):
                 self.router.suspect(action.peer)
             elif isinstance(action, Ping):
                 now = time.monotonic()
-                silent = frozenset(action.peers) - set(await answering(self.transport, list(action.peers)))
-                await self._carry_out(run, machine.handle(PeersChecked(now, silent)))
+                silent, unreachable = await unanswered(self.transport, list(action.peers))
+                await self._carry_out(run, machine.handle(PeersChecked(now, silent, unreachable)))
             elif isinstance(action, Closed):
                 run.closed.set()
             elif isinstance(action, ComputeLoss) and hop is not None and tensor is not None:

@@ -10,7 +10,7 @@ from hivemind.p2p import PeerID
 from protocols.errors import ProtocolError
 from protocols.messages import Pong, Rpc, decode
 from swarmnode.node.planning import Snapshot
-from swarmnode.transport import Transport, TransportError
+from swarmnode.transport import PeerUnreachable, Transport, TransportError
 
 PING_TIMEOUT_S = 1.0
 
@@ -23,6 +23,26 @@ async def ping(transport: Transport, peer: str, stage: int | None = None) -> boo
     except (TransportError, ProtocolError, ValueError):
         return False
     return stage is None or answer.stage == stage
+
+
+async def unanswered(transport: Transport, peers: list[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """The peers among `peers` that do not answer a ping now, and those of them that cannot be reached at all
+    (refused, no route: gone rather than slow)."""
+    outcomes = await asyncio.gather(*(_ping_outcome(transport, p) for p in peers))
+    silent = frozenset(p for p, outcome in zip(peers, outcomes, strict=True) if outcome != "answered")
+    unreachable = frozenset(p for p, outcome in zip(peers, outcomes, strict=True) if outcome == "unreachable")
+    return silent, unreachable
+
+
+async def _ping_outcome(transport: Transport, peer: str) -> str:
+    try:
+        reply, _ = await transport.call(PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=PING_TIMEOUT_S)
+        decode(reply, Pong)
+    except (PeerUnreachable, ValueError):
+        return "unreachable"
+    except (TransportError, ProtocolError):
+        return "silent"
+    return "answered"
 
 
 async def answering(transport: Transport, peers: list[str], stage: int | None = None) -> list[str]:

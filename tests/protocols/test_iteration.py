@@ -134,6 +134,15 @@ def test_a_microbatch_pending_two_seconds_after_a_peer_on_its_path_was_found_dea
     assert iteration.state(1) is State.SENT  # its path never held s2a
 
 
+def test_a_microbatch_on_a_path_through_an_unreachable_peer_is_lost_at_once() -> None:
+    iteration = started()
+    for mb in (0, 1):
+        iteration.handle(Sent(mb, PATHS[mb]))
+    checked = PeersChecked(now=1.0, silent=frozenset({"s2a", "s2b"}), unreachable=frozenset({"s2a"}))
+    assert iteration.handle(checked) == (Suspect("s2a"), Suspect("s2b"), *lost(0, "peer s2a is dead"))
+    assert iteration.state(1) is State.SENT  # s2b only did not answer in time: it may be slow
+
+
 def test_a_microbatch_re_routed_around_a_dead_peer_is_not_lost() -> None:
     iteration = started()
     iteration.handle(Sent(0, PATHS[0]))
