@@ -7,12 +7,23 @@ It is small (well under the DHT's value limit) and checked field by field when r
 from __future__ import annotations
 
 import json
-import math
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from protocols._schema import (
+    Schema,
+    checked,
+    count,
+    flag,
+    number,
+    one_of,
+    optional,
+    show,
+    text,
+)
+from protocols.errors import LocalProtocolError
 from protocols.messages import PROTOCOL_VERSION
 from swarmnode import __version__
 from swarmnode.presets import get_preset
@@ -32,66 +43,107 @@ class RunVersionMismatch(RunSpecError):
     not know): the message names both versions and what to install."""
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    """One training run. `stages` counts transformer stages; stage ids run from 0 (data stage) to `stages`."""
+COUNT_LIMIT = 10**9  # of any size or count
+SEED_LIMIT = 2**63 - 1  # what msgpack carries
+MAX_PATH_CHARS = 4096  # `data`: a path as given
+MAX_LABEL_CHARS = 64  # run id, preset, versions, a tokenizer digest
+MAX_STAGES = 1024  # `init_digests` holds at most this many stages' digests
 
-    run_id: str = "swarm"
-    preset: str = "tiny"
-    stages: int = 3
-    data: str | None = None  # `--data` as given (None: the default corpus); `data_source` describes it
-    vocab_size: int = 4096
-    seed: int = 0
-    microbatches: int = 4
-    batch_size: int = 8
-    seq_len: int = 128
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    total_steps: int = 1000
-    max_grad_norm: float = 1.0
-    skip_ratio: float = 0.0
-    min_data_nodes: int = 1  # a fresh swarm trains once this many data nodes are online (they start together)
-    node_memory: int = 4
-    checkfree_plus: bool = True
-    noloco_inner_steps: int = 50
-    noloco_alpha: float = 0.5
-    noloco_beta: float = 0.7
-    noloco_gamma: float = 0.7
-    copy_refresh_steps: int = 10
-    compression: str = "none"
-    dtype: str = "float32"  # the run's default compute dtype, and how activations travel (`precision`)
-    init_digests: str | None = None  # started from weights: stage 0..s's SHA-256, comma separated (`seed`)
-    tokenizer_digest: str | None = (
-        None  # the run's tokenizer.json (`tokenizer.file_digest`): data nodes match it
-    )
-    data_source: DataSource | None = None  # None (definitions from before it): what `data` names
-    swarmnode_version: str = __version__  # of the bootstrap that published the run
-    protocol_version: int = PROTOCOL_VERSION  # the wire protocol (`protocols.messages`) every node must speak
-    hop_timeout_s: float = 10.0
-    iteration_timeout_s: float = 30.0
-    record_period_s: float = 1.0
-    record_ttl_s: float = 4.0
+
+def _above_zero(value: Any, name: str) -> float:
+    """A finite number greater than 0."""
+    try:
+        result = number(0.0)(value, name)
+    except LocalProtocolError:
+        result = 0.0
+    if result == 0.0:
+        raise LocalProtocolError(f"{name}: expected a finite number > 0, got {show(value)}")
+    return result
+
+
+def _fraction(value: Any, name: str) -> float:
+    """A finite number in [0, 1)."""
+    try:
+        result = number(0.0, 1.0)(value, name)
+    except LocalProtocolError:
+        result = 1.0
+    if result == 1.0:
+        raise LocalProtocolError(f"{name}: expected a finite number in [0, 1), got {show(value)}")
+    return result
+
+
+def _source(value: Any, name: str) -> DataSource:
+    """A `DataSource`, or the map it is written as."""
+    try:
+        return value if isinstance(value, DataSource) else DataSource.from_dict(value)
+    except SourceSpecError as error:
+        raise LocalProtocolError(f"{name}: {error}") from None
+
+
+POSITIVE = checked(count(COUNT_LIMIT, minimum=1))
+ABOVE_ZERO = checked(_above_zero)
+
+
+@dataclass(frozen=True)
+class RunSpec(Schema):
+    """One training run. `stages` counts transformer stages; stage ids run from 0 (data stage) to `stages`.
+
+    Every field converts and checks itself (`protocols._schema`); `_check` adds the rules across fields.
+    Any of them broken is a one-line RunSpecError naming the field."""
+
+    run_id: str = field(default="swarm", metadata=checked(text(MAX_LABEL_CHARS, minimum=1)))
+    preset: str = field(default="tiny", metadata=checked(text(MAX_LABEL_CHARS, minimum=1)))
+    stages: int = field(default=3, metadata=POSITIVE)
+    # `--data` as given (None: the default corpus); `data_source` describes it
+    data: str | None = field(default=None, metadata=checked(optional(text(MAX_PATH_CHARS))))
+    vocab_size: int = field(default=4096, metadata=POSITIVE)
+    seed: int = field(default=0, metadata=checked(count(SEED_LIMIT, minimum=-SEED_LIMIT - 1)))
+    microbatches: int = field(default=4, metadata=POSITIVE)
+    batch_size: int = field(default=8, metadata=POSITIVE)
+    seq_len: int = field(default=128, metadata=POSITIVE)
+    lr: float = field(default=3e-3, metadata=ABOVE_ZERO)
+    warmup_steps: int = field(default=20, metadata=checked(count(COUNT_LIMIT)))
+    total_steps: int = field(default=1000, metadata=POSITIVE)
+    max_grad_norm: float = field(default=1.0, metadata=ABOVE_ZERO)
+    skip_ratio: float = field(default=0.0, metadata=checked(_fraction))
+    # a fresh swarm trains once this many data nodes are online (they start together)
+    min_data_nodes: int = field(default=1, metadata=POSITIVE)
+    node_memory: int = field(default=4, metadata=POSITIVE)
+    checkfree_plus: bool = field(default=True, metadata=checked(flag))
+    noloco_inner_steps: int = field(default=50, metadata=POSITIVE)
+    noloco_alpha: float = field(default=0.5, metadata=checked(number()))
+    noloco_beta: float = field(default=0.7, metadata=checked(number()))
+    noloco_gamma: float = field(default=0.7, metadata=checked(number()))
+    copy_refresh_steps: int = field(default=10, metadata=POSITIVE)
+    compression: str = field(default="none", metadata=checked(one_of(frozenset(COMPRESSIONS))))
+    # the run's default compute dtype, and how activations travel (`precision`)
+    dtype: str = field(default="float32", metadata=checked(one_of(frozenset(COMPUTE_DTYPE_NAMES))))
+    # started from weights: stage 0..s's SHA-256, comma separated (`seed`)
+    init_digests: str | None = field(default=None, metadata=checked(optional(text(65 * MAX_STAGES))))
+    # the run's tokenizer.json (`tokenizer.file_digest`): data nodes match it
+    tokenizer_digest: str | None = field(default=None, metadata=checked(optional(text(MAX_LABEL_CHARS))))
+    # None (definitions from before it): what `data` names
+    data_source: DataSource | None = field(default=None, metadata=checked(optional(_source)))
+    # of the bootstrap that published the run
+    swarmnode_version: str = field(default=__version__, metadata=checked(text(MAX_LABEL_CHARS)))
+    # the wire protocol (`protocols.messages`) every node must speak
+    protocol_version: int = field(default=PROTOCOL_VERSION, metadata=checked(count(COUNT_LIMIT)))
+    hop_timeout_s: float = field(default=10.0, metadata=ABOVE_ZERO)
+    iteration_timeout_s: float = field(default=30.0, metadata=ABOVE_ZERO)
+    record_period_s: float = field(default=1.0, metadata=ABOVE_ZERO)
+    record_ttl_s: float = field(default=4.0, metadata=ABOVE_ZERO)
 
     def __post_init__(self) -> None:
-        self._check()
+        try:
+            super().__post_init__()
+        except LocalProtocolError as error:
+            name, _, why = error.reason.partition(": ")
+            raise RunSpecError(f"run field {name!r}: {why}") from None
 
     def _check(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            expected = {"int": int, "float": (int, float), "bool": bool, "str": str}.get(str(field.type))
-            if expected is not None and (
-                not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)
-            ):
-                raise RunSpecError(f"run field {field.name!r} must be {field.type}, got {value!r}")
-            if isinstance(value, float) and not math.isfinite(value):
-                raise RunSpecError(f"run field {field.name!r} must be finite, got {value!r}")
-        if not self.run_id or "." in self.run_id or len(self.run_id) > 64:
+        if "." in self.run_id:
             raise RunSpecError(f"run id {self.run_id!r} must be 1-64 characters without '.'")
-        if self.data is not None and not isinstance(self.data, str):
-            raise RunSpecError(f"run field 'data' must be a path string or null, got {self.data!r}")
         if self.data_source is not None:
-            if not isinstance(self.data_source, DataSource):
-                raise RunSpecError(f"run field 'data_source' must be a mapping, got {self.data_source!r}")
             try:
                 named = DataSource.parse(self.data, self.data_source.text_column).locator()
             except SourceSpecError as error:
@@ -102,49 +154,17 @@ class RunSpec:
             preset = get_preset(self.preset)
         except ValueError as error:
             raise RunSpecError(str(error)) from None
-        if self.stages < 1 or preset.model.n_layers % self.stages:
+        if preset.model.n_layers % self.stages:
             raise RunSpecError(
                 f"{preset.model.n_layers} layers of preset {self.preset!r} "
                 f"do not divide into {self.stages} stages"
             )
-        positive = (
-            "vocab_size",
-            "microbatches",
-            "min_data_nodes",
-            "batch_size",
-            "seq_len",
-            "total_steps",
-            "node_memory",
-            "noloco_inner_steps",
-            "copy_refresh_steps",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise RunSpecError(f"run field {name!r} must be at least 1")
-        for name in (
-            "lr",
-            "max_grad_norm",
-            "hop_timeout_s",
-            "iteration_timeout_s",
-            "record_period_s",
-            "record_ttl_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise RunSpecError(f"run field {name!r} must be positive")
         if self.seq_len > preset.model.max_seq_len:
             raise RunSpecError(
                 f"seq_len {self.seq_len} exceeds the preset's context {preset.model.max_seq_len}"
             )
-        if not 0.0 <= self.skip_ratio < 1.0:
-            raise RunSpecError(f"skip_ratio must be in [0, 1), got {self.skip_ratio}")
-        if self.compression not in COMPRESSIONS:
-            raise RunSpecError(
-                f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
-            )
-        if self.dtype not in COMPUTE_DTYPE_NAMES:
-            raise RunSpecError(f"dtype must be one of {', '.join(COMPUTE_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.init_digests is not None:
-            digests = self.init_digests.split(",") if isinstance(self.init_digests, str) else []
+            digests = self.init_digests.split(",")
             if len(digests) != self.stages + 1 or not all(_SHA256.fullmatch(d) for d in digests):
                 raise RunSpecError(
                     f"init_digests must be {self.stages + 1} SHA-256 hex digests (stages 0..{self.stages}), "
@@ -220,11 +240,7 @@ class RunSpec:
                 f"unknown run field(s): {', '.join(unknown)}; the fields are {', '.join(known)}"
             )
         try:
-            if raw.get("data_source") is not None:
-                raw = {**raw, "data_source": DataSource.from_dict(raw["data_source"])}
             return cls(**raw)
-        except SourceSpecError as error:
-            raise RunSpecError(f"run field 'data_source': {error}") from None
         except (KeyError, TypeError) as error:
             raise RunSpecError(f"invalid run definition: {error}") from None
 

@@ -332,7 +332,7 @@ def test_run_spec_round_trips_and_rejects_bad_fields() -> None:
     assert RunSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(RunSpecError, match="unknown"):
         RunSpec.from_dict({**spec.to_dict(), "evil": 1})
-    with pytest.raises(RunSpecError, match="must be int"):
+    with pytest.raises(RunSpecError, match="run field .stages.: expected an int"):
         RunSpec.from_dict({**spec.to_dict(), "stages": "3"})
     with pytest.raises(RunSpecError, match="divide"):
         RunSpec.from_dict({**spec.to_dict(), "stages": 4})
