@@ -332,7 +332,7 @@ def test_run_spec_round_trips_and_rejects_bad_fields() -> None:
     assert RunSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(RunSpecError, match="unknown"):
         RunSpec.from_dict({**spec.to_dict(), "evil": 1})
-    with pytest.raises(RunSpecError, match="run field .stages.: expected an int"):
+    with pytest.raises(RunSpecError, match=r"run field 'stages': expected an int"):
         RunSpec.from_dict({**spec.to_dict(), "stages": "3"})
     with pytest.raises(RunSpecError, match="divide"):
         RunSpec.from_dict({**spec.to_dict(), "stages": 4})
@@ -341,3 +341,22 @@ def test_run_spec_round_trips_and_rejects_bad_fields() -> None:
     with pytest.raises(RunSpecError, match="finite"):
         RunSpec.from_dict({**spec.to_dict(), "lr": math.inf})
     assert StatePart.EMBEDDING_COPY.value == "embedding_copy"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("lr", 0, "a finite number > 0"),
+        ("skip_ratio", 1.0, "a finite number in [0, 1)"),
+        ("checkfree_plus", 1, "true or false"),
+        ("compression", "zip", "one of float16, none"),
+        ("batch_size", True, "an int in 1.."),
+        ("run_id", "", "printable text of 1..64 characters"),
+        ("data_source", 3, "data_source must be a mapping"),
+    ],
+)
+def test_a_bad_run_field_is_one_line_naming_it(field: str, value: object, expected: str) -> None:
+    with pytest.raises(RunSpecError) as error:
+        RunSpec.from_dict({**RunSpec().to_dict(), field: value})
+    message = str(error.value)
+    assert message.startswith(f"run field {field!r}: ") and expected in message and "\n" not in message
