@@ -210,7 +210,9 @@ class SwarmDHT:
                     client_mode=client_mode,
                     record_validators=[SwarmRecordValidator(run_id, self.identity)],
                     identity_path=str(key_file),
-                    check_if_identity_free=identity_path is not None,
+                    # hivemind's check reads the key file as RSA only (`PeerID.from_identity`): with an
+                    # Ed25519 identity every `join --identity` failed with "Could not deserialize key data"
+                    check_if_identity_free=False,
                     await_ready=True,
                     shutdown_timeout=1.0,
                     **self.reach.p2p_kwargs(initial_peers),

@@ -143,7 +143,14 @@ def test_an_identity_file_keeps_the_peer_id_across_restarts(tmp_path: Path) -> N
     assert path.stat().st_mode & 0o777 == 0o600
     dht = SwarmDHT("identity", identity_path=path)
     assert dht.peer_id == first == Identity.load(path).peer_id
-    dht.shutdown()
+    # a joiner's identity too (hivemind's identity check reads RSA keys only: every join --identity failed)
+    joiner_key = tmp_path / "keys" / "joiner.key"
+    joiner = SwarmDHT("identity", dht.visible_maddrs(), identity_path=joiner_key)
+    try:
+        assert joiner.peer_id == Identity.load(joiner_key).peer_id
+    finally:
+        joiner.shutdown()
+        dht.shutdown()
     assert SwarmDHT("identity").peer_id != first  # without one, a fresh key each start
 
 
