@@ -172,4 +172,4 @@ def test_two_constructions_plan_as_well_as_the_old_four() -> None:
             old = schedule(view, rules, seed, restarts=4, rounds=600).iteration_time_s
             ratios.append(new / old)
     mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    assert mean <= 1.015, (mean, ratios)  # 1.008 here; 0.997 over 96 plans of 16 swarms (docs/skippipe.md)
+    assert mean <= 1.015, (mean, ratios)  # 1.008 here; 0.997 over 80 plans of 16 swarms (docs/skippipe.md)
