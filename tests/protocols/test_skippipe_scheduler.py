@@ -9,6 +9,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,6 +29,7 @@ from protocols.skippipe import (
     skips_without_collision_awareness,
     validate_plan,
 )
+from protocols.skippipe import scheduler as scheduler_module
 
 SCENARIO = Path(__file__).parents[2] / "benchmarks" / "data" / "gcp12_links.json"
 QUICK = {"restarts": 2, "rounds": 30}
@@ -281,3 +283,24 @@ def test_mixing_replicas_keeps_the_load_of_a_replica_that_costs_more() -> None:
         assert sorted(path[1] for path in mixed.values()) in ([1, 1, 2, 3], [1, 2, 2, 3])
     with pytest.raises(LocalProtocolError):
         mix_replicas(lanes, view, random.Random(0), even_within=0.5)
+
+
+def test_planning_from_the_previous_plan_skips_the_constructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    view, rules = small_swarm()
+    first = schedule(view, rules, 0, **QUICK)
+    built: list[int] = []
+    original = scheduler_module.greedy_paths
+
+    def counted(*args: Any, **kwargs: Any) -> dict[int, tuple[int, ...]]:
+        built.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "greedy_paths", counted)
+    second = schedule(view, rules, 1, previous=first.paths, **QUICK)
+    assert built == []
+    assert validate_plan(second, view, rules) == []
+    assert schedule(view, rules, 1, previous=first.paths, **QUICK) == second  # deterministic
+    # a previous plan that does not fit the view (a node gone) is ignored: the planner constructs
+    stale = {mb: (*path[:-2], view.n_nodes, path[-1]) for mb, path in first.paths.items()}
+    assert validate_plan(schedule(view, rules, 1, previous=stale, **QUICK), view, rules) == []
+    assert built == [1] * QUICK["restarts"]
