@@ -24,11 +24,11 @@ def test_steps_only_when_every_planned_microbatch_finished() -> None:
 
 def test_the_decision_names_the_latest_iteration_applied() -> None:
     book = StepBook(expiry_s=30.0)
-    for k in (key("d", 4, 0), key("e", 5, 0), key("f", 6, 0)):
+    for k in (key("d", 4, 0), key("d", 5, 0), key("d", 6, 0)):
         assert book.take(k, (k.origin,), expected=1, now=0.0)
     book.finish(key("d", 4, 0), applied=True, now=0.0)
-    book.finish(key("e", 5, 0), applied=True, now=0.0)
-    book.finish(key("f", 6, 0), applied=False, now=0.0)  # aborted: its tick holds no gradient
+    book.finish(key("d", 5, 0), applied=True, now=0.0)
+    book.finish(key("d", 6, 0), applied=False, now=0.0)  # aborted: its tick holds no gradient
     decision = book.ready(held=0, now=0.1)
     assert decision is not None and (len(decision.updates), decision.iteration) == (2, 5)
 
@@ -212,4 +212,55 @@ def test_groups_lists_what_is_not_stepped_yet() -> None:
     assert book.take(key("e", 2, 0), ("e",), expected=1, now=0.0)
     book.finish(key("e", 2, 0), applied=True, now=0.0)  # complete, but newer than an open group
     assert book.ready(held=0, now=0.1) is None
-    assert book.groups == {("d", 1), ("e", 2)} and book.open_groups == {("d", 1)}
+    # d sent work in tick 1, so it is awaited in tick 2 as well
+    assert book.groups == {("d", 1), ("e", 2), ("d", 2)} and book.open_groups == {("d", 1), ("d", 2)}
+
+
+def test_a_data_node_that_sent_work_last_tick_is_awaited_before_this_tick_steps() -> None:
+    """d's tick-5 work finished first; e sent work in tick 4, so tick 5 steps only once e's tick-5 work
+    finished too, and both updates ran their forwards on the weights of tick 4, whoever was ahead."""
+    book = StepBook(expiry_s=30.0)
+    for origin in ("d", "e"):
+        assert book.take(key(origin, 4, 0), (origin,), expected=1, now=0.0)
+        book.finish(key(origin, 4, 0), applied=True, now=0.1)
+    assert book.ready(held=0, now=0.2) is not None  # tick 4
+    assert book.take(key("d", 5, 0), ("d",), expected=1, now=1.0)
+    book.finish(key("d", 5, 0), applied=True, now=1.5)
+    assert book.ready(held=0, now=1.6) is None  # e is awaited
+    assert book.take(key("d", 6, 0), ("d",), expected=1, now=1.7) and book.waits(6)  # d waits for the step
+    assert book.take(key("e", 5, 0), ("e",), expected=1, now=2.0)
+    book.finish(key("e", 5, 0), applied=True, now=2.5)
+    decision = book.ready(held=0, now=2.6)
+    assert decision is not None and decision.updates == (("d", 5), ("e", 5))
+
+
+def test_an_awaited_data_node_that_moved_on_or_never_comes_holds_the_step_no_longer() -> None:
+    book = StepBook(expiry_s=30.0, await_s=5.0)
+    for origin in ("d", "e", "f"):
+        assert book.take(key(origin, 4, 0), (origin,), expected=1, now=0.0)
+        book.finish(key(origin, 4, 0), applied=True, now=0.0)
+    assert book.ready(held=0, now=0.1) is not None
+    assert book.take(key("d", 5, 0), ("d",), expected=1, now=1.0)
+    book.finish(key("d", 5, 0), applied=True, now=1.0)
+    assert book.take(key("e", 6, 0), ("e",), expected=1, now=1.2)  # e sent its tick 5 elsewhere
+    assert book.ready(held=0, now=1.3) is None  # f is still awaited in tick 5
+    book.expire(now=6.1)  # f died: its await ends
+    decision = book.ready(held=0, now=6.2)
+    assert decision is not None and decision.updates == (("d", 5),)
+
+
+def test_an_abort_for_an_awaited_group_waits_for_its_forwards() -> None:
+    # e's microbatch 1 died upstream before its microbatch 0 reached this node: the group still expects 0
+    book = StepBook(expiry_s=30.0)
+    for origin in ("d", "e"):
+        assert book.take(key(origin, 4, 0), (origin,), expected=1, now=0.0)
+        book.finish(key(origin, 4, 0), applied=True, now=0.0)
+    book.ready(held=0, now=0.1)
+    assert book.take(key("d", 5, 0), ("d",), expected=1, now=1.0)
+    book.finish(key("d", 5, 0), applied=True, now=1.0)
+    book.finish(key("e", 5, 1), applied=False, now=1.1)  # an abort for the awaited group
+    assert book.ready(held=0, now=1.2) is None
+    assert book.take(key("e", 5, 0), ("e",), expected=2, now=1.3)
+    book.finish(key("e", 5, 0), applied=True, now=1.4)
+    decision = book.ready(held=0, now=1.5)
+    assert decision is not None and decision.updates == (("d", 5), ("e", 5)) and decision.applied == 2
