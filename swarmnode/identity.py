@@ -9,6 +9,7 @@ p2pd reads with `-id`: the same key is the node's address on the network and its
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,6 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from google.protobuf.message import DecodeError
-from hivemind.p2p import PeerID
-from hivemind.proto import crypto_pb2
 
 SIGNATURE_BYTES = 64
 _IDENTITY_MULTIHASH = b"\x00"  # multihash code 0x00: the digest is the data itself
@@ -43,8 +41,17 @@ class Identity:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
+    def derived(cls, material: bytes) -> Identity:
+        """The identity whose key is derived from `material` (SHA-256): the same material, the same peer
+        id. Anyone who knows the material has the key: only for swarms that never leave one machine."""
+        return cls(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(material).digest()))
+
+    @classmethod
     def load(cls, path: Path) -> Identity:
         """Read an identity file written by `save` (or by libp2p tools: an Ed25519 protobuf private key)."""
+        from google.protobuf.message import DecodeError
+        from hivemind.proto import crypto_pb2
+
         try:
             message = crypto_pb2.PrivateKey.FromString(path.read_bytes())
         except (OSError, DecodeError) as error:
@@ -71,14 +78,16 @@ class Identity:
 
     def save(self, path: Path) -> None:
         """Write the key as p2pd reads it, readable by its owner only (never over an existing file)."""
-        seed = self.key.private_bytes_raw()
-        message = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=seed + self.public_key)
+        data = self.key.private_bytes_raw() + self.public_key
+        # libp2p's protobuf `PrivateKey` {key_type: Ed25519 (1), data: 64 bytes}, encoded here so that writing
+        # a key (the launcher does, for every daemon) needs no protobuf classes and no hivemind import
+        message = bytes([0x08, 0x01, 0x12, len(data)]) + data
         try:
             descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as error:
             raise IdentityError(f"cannot create the identity file {path}: {error.strerror}") from None
         with os.fdopen(descriptor, "wb") as file:
-            file.write(message.SerializeToString())
+            file.write(message)
 
     @property
     def public_key(self) -> bytes:
@@ -86,6 +95,9 @@ class Identity:
 
     @property
     def peer_id(self) -> str:
+        from hivemind.p2p import PeerID
+        from hivemind.proto import crypto_pb2
+
         public = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=self.public_key)
         encoded = public.SerializeToString()
         return PeerID(_IDENTITY_MULTIHASH + bytes([len(encoded)]) + encoded).to_base58()
@@ -98,6 +110,10 @@ class Identity:
 def public_key_of(peer_id: str) -> Ed25519PublicKey:
     """The Ed25519 key an `12D3KooW...` peer id carries; IdentityError for any other peer id. Cached: a node
     checks the records of the same few peers every second."""
+    from google.protobuf.message import DecodeError
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+
     try:
         raw = PeerID.from_base58(peer_id).to_bytes()
     except ValueError:

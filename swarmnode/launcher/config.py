@@ -59,6 +59,23 @@ class SwarmConfig:
         return self.out / "model"
 
     @property
+    def identities(self) -> Path:
+        """Where the daemons' identity files go (`write_identity`)."""
+        return (self.out / "identities").resolve()
+
+    def write_identity(self, name: str) -> Path:
+        """The identity file of the daemon `name`, its key derived from the run's seed and the name: the same
+        seed gives the same peer ids, so the order in which a stage applies two data nodes' updates of one
+        tick (by peer id) is the same in every run of a seed. The swarm stays on loopback."""
+        from swarmnode.identity import Identity  # cryptography and hivemind's protobufs: only when spawning
+
+        path = self.identities / f"{name}.key"
+        path.unlink(missing_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Identity.derived(f"swarmnode up {self.seed} {name}".encode()).save(path)
+        return path
+
+    @property
     def initial_nodes(self) -> int:
         return self.data_nodes + self.stages * self.replicas
 
@@ -81,7 +98,12 @@ class SwarmConfig:
         ]  # fmt: skip
 
     def join_argv(
-        self, stage: int | None, shard: str | None, site: str | None = None, standby: bool = False
+        self,
+        stage: int | None,
+        shard: str | None,
+        site: str | None = None,
+        standby: bool = False,
+        identity: Path | None = None,
     ) -> list[str]:
         """A daemon of `stage` (None: `--stage auto`), or a standby; `shard` (I/K): the data it reads as a
         data node; `site`: where it sits in the emulated `network` (ignored without one).
@@ -98,6 +120,7 @@ class SwarmConfig:
             "--linger", "--device", self.device, "--metrics-port", "0",
             *(["--shard", shard] if shard is not None else []),
             *(["--network", str(self.network.resolve()), "--site", site] if self.network and site else []),
+            *(["--identity", str(identity)] if identity is not None else []),
         ]  # fmt: skip
 
     def export_argv(self) -> list[str]:

@@ -224,7 +224,7 @@ class LocalSwarm:
         """Start a daemon (a standby: `join --standby`); an initial node sits at its placement's site, a
         respawned one at `site`."""
         site = self.config.placement.get(name, site)
-        argv = self.config.join_argv(stage, shard, site, standby)
+        argv = self.config.join_argv(stage, shard, site, standby, self.config.write_identity(name))
         process = ChildProcess(name, argv, self.logs, self._env)
         tail = LineTail(process.stdout_path)
         initial = stage is not None

@@ -14,6 +14,7 @@ import pytest
 
 from swarmnode.launcher.procs import group_running
 
+STEPS = 40  # enough for a kill, a rebuild, validation at 25 and the end, and an export
 LAUNCHER_TIMEOUT_S = 420  # `up --timeout`: the launcher stops itself (and its children) before the test does
 
 
@@ -22,7 +23,18 @@ LAUNCHER_TIMEOUT_S = 420  # `up --timeout`: the launcher stops itself (and its c
 def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
     pytest.importorskip("swarmnode.node", reason="the daemons (swarmnode.node) have not landed yet")
     out = tmp_path / "swarm"
-    argv = [sys.executable, "-m", "swarmnode", "up", "--steps", "100", "--kill", "2@5", "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "swarmnode",
+        "up",
+        "--steps",
+        str(STEPS),
+        "--kill",
+        "2@5",
+        "--out",
+        str(out),
+    ]
     launcher = subprocess.Popen(
         [*argv, "--timeout", str(LAUNCHER_TIMEOUT_S)],
         stdout=subprocess.PIPE,
@@ -40,18 +52,18 @@ def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
     assert launcher.returncode == 0, stderr[-4000:]
-    assert stdout.startswith("100 steps: loss ")
+    assert stdout.startswith(f"{STEPS} steps: loss ")
 
     report = json.loads((out / "report.json").read_text())
-    assert report["outcome"] == "completed" and report["steps_completed"] == 100
+    assert report["outcome"] == "completed" and report["steps_completed"] == STEPS
     assert report["final_loss"] < report["initial_loss"]
     assert report["val_loss"] is not None and report["tokens_per_second"] > 0
-    assert report["settings"]["steps"] == 100
+    assert report["settings"]["steps"] == STEPS
     # the final model, exported before the swarm ended; its loss recomputed from the files is near the swarm's
     # (the exporter takes one data node and one replica per stage, which NoLoCo keeps close, not equal; the
     # report's figure is the data nodes' mean, each through replicas chosen at random: 0.054 apart once)
     model = report["model"]
-    assert model["path"] == str(out / "model") and model["step"] == 100, model
+    assert model["path"] == str(out / "model") and model["step"] == STEPS, model
     assert set(model["steps"]) == {"0", "1", "2", "3"} and (out / "model" / "model.safetensors").is_file()
     assert abs(model["val_loss"] - report["val_loss"]) < 0.15, (model, report["val_loss"])
     assert sorted((f["stage"], f["step"]) for f in report["failures"]) == [(2, 5), (2, 5)]  # both replicas
@@ -71,7 +83,7 @@ def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
     served = {node["name"]: node["microbatches_served"] for node in daemons}
     assert all(served[name] > 0 for name in ("s1r1", "s1r2", "s3r1", "s3r2")), served  # never killed
     iterations = report["iteration_seconds"]
-    assert iterations["count"] >= 100 and 0 < iterations["median"] <= iterations["p90"], iterations
+    assert iterations["count"] >= STEPS and 0 < iterations["median"] <= iterations["p90"], iterations
     assert iterations["simulated"] > 0 and report["skip_ratio"] == 0.0, iterations
-    assert "all 8 nodes joined" in stderr and "completed: 100 steps done" in stderr
+    assert "all 8 nodes joined" in stderr and f"completed: {STEPS} steps done" in stderr
     assert "stage 2 lost" in stderr
