@@ -13,7 +13,6 @@ import logging
 import random
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from hivemind.p2p import PeerID
 from torch import Tensor
@@ -43,48 +42,44 @@ from protocols.messages import (
 )
 from protocols.noloco import OuterConfig
 from protocols.stepbook import MicrobatchKey
-from swarmnode.dht import SwarmDHT
 from swarmnode.node import recovery, seed, state
 from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.checks import BANNED_FOR, Rejected, decode_from_peer, hop_tensor
 from swarmnode.node.compute import ComputeQueue
+from swarmnode.node.context import BAN_SECONDS, NodeContext
 from swarmnode.node.events import emit
-from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.node.planning import RememberedView, Snapshot
 from swarmnode.node.router import Router
-from swarmnode.node.serving import StateServer, request_seconds
+from swarmnode.node.serving import StateServer
 from swarmnode.node.worker import Wire
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import build_piece
-from swarmnode.precision import Precision, parse_dtype, wire_dtypes
+from swarmnode.precision import wire_dtypes
 from swarmnode.presets import get_preset
-from swarmnode.runspec import RunSpec
-from swarmnode.transport import Compression, LinkEmulator, Reply, Transport, TransportConfig
+from swarmnode.transport import Compression, Reply
 
 logger = logging.getLogger(__name__)
 
-BAN_SECONDS = 60.0
 VIEW_GRACE_TTLS = 2  # a peer missing from the latest read is still routed to for this many record TTLs
 
 
 class Node:
-    """State and handlers shared by every node; `StageNode` and `DataNode` add their stage's work."""
+    """State and handlers shared by every node; `StageNode` and `DataNode` add their stage's work.
 
-    def __init__(
-        self,
-        spec: RunSpec,
-        stage: int,
-        dht: SwarmDHT,
-        direct_host: str | None,
-        precision: Precision | None = None,
-    ) -> None:
-        """`precision`: where and in what dtype this node computes (default: the CPU, the run's dtype)."""
-        self.dump_dir: Path | None = None  # where a recovery writes its evidence (tests, debugging)
+    Complete once built (its transport, router and NoLoCo loop included); `start` serves and announces it,
+    recovers its stage's state and starts its periodic tasks; `close` ends them."""
+
+    def __init__(self, context: NodeContext, stage: int) -> None:
+        spec = context.spec
         self.spec = spec
         self.stage = stage
-        self.dht = dht
-        self.me = dht.peer_id
-        self.precision = precision or Precision(dtype=parse_dtype(spec.dtype))
+        self.dht = context.dht
+        self.me = context.dht.peer_id
+        self.transport = context.transport
+        self.links = context.links
+        self.metrics = context.metrics
+        self.dump_dir = context.dump_dir
+        self.precision = context.precision
         self.wire = Wire(*wire_dtypes(spec.dtype))
         self.model_config = replace(get_preset(spec.preset).model, vocab_size=spec.vocab_size)
         self.piece = build_piece(self.model_config, stage, spec.stages, spec.seed).to(self.precision.device)
@@ -97,18 +92,31 @@ class Node:
         self.microbatches_lost = 0
         self.microbatches_served = 0  # backward passes completed here
         self.tokens_processed = 0
-        self.metrics: DaemonMetrics | None = None  # `--metrics-port`: told of rejections and hops
-        self.links: LinkEmulator | None = None  # `--network`: emulated links to peers at other sites
         self.last_loss: float | None = None
         self.recovery: tuple[str, float] | None = None
         self.rng = random.Random(f"{spec.seed}/{self.me}")
         self.compression = Compression.FLOAT16 if spec.compression == "float16" else Compression.NONE
-        self.transport_config = TransportConfig(
-            direct_host=direct_host, ban_seconds=BAN_SECONDS, max_request_seconds=request_seconds(spec)
+        self.router = Router(
+            self.transport, self.me, self.snapshot_online, spec.hop_timeout_s, self.compression, self.rng
         )
-        self.transport: Transport
-        self.router: Router
-        self.outer: OuterLoop
+        if self.metrics is not None:
+            self.router.on_hop = self.metrics.observe_hop
+        outer_config = OuterConfig(
+            alpha=spec.noloco_alpha,
+            beta=spec.noloco_beta,
+            gamma=spec.noloco_gamma,
+            inner_steps=spec.noloco_inner_steps,
+        )
+        self.outer = OuterLoop(
+            self.piece,
+            outer_config,
+            spec.run_id,
+            stage,
+            self.me,
+            self.transport,
+            self.compute,
+            timeout_s=2 * spec.hop_timeout_s,
+        )
         self.state_server = StateServer(self)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
@@ -128,29 +136,8 @@ class Node:
     # ---- lifecycle --------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        p2p = await self.dht.replicate_p2p()
-        self.transport = Transport(p2p, self.transport_config, self.links)
-        self.router = Router(
-            self.transport, self.me, self.snapshot_online, self.spec.hop_timeout_s, self.compression, self.rng
-        )
-        if self.metrics is not None:
-            self.router.on_hop = self.metrics.observe_hop
-        outer_config = OuterConfig(
-            alpha=self.spec.noloco_alpha,
-            beta=self.spec.noloco_beta,
-            gamma=self.spec.noloco_gamma,
-            inner_steps=self.spec.noloco_inner_steps,
-        )
-        self.outer = OuterLoop(
-            self.piece,
-            outer_config,
-            self.spec.run_id,
-            self.stage,
-            self.me,
-            self.transport,
-            self.compute,
-            timeout_s=2 * self.spec.hop_timeout_s,
-        )
+        """Serve, read the swarm, recover this stage's state (or start from the seed), announce the node
+        online and start its periodic tasks."""
         # what one request may carry (float32 at most): a hop's activations, or a replica's phi and theta
         hop_bytes = 4 * self.spec.batch_size * self.spec.seq_len * self.model_config.dim
         average_bytes = 8 * sum(p.numel() for p in self.piece.parameters())

@@ -50,17 +50,16 @@ from protocols.iteration_events import (
 from protocols.messages import MAX_NONCE, Ack, Backward, ErrorCode, Forward, Route, encode
 from protocols.stepbook import MicrobatchKey
 from swarmnode.data import Corpus, batches, data_node_tokens, validation_set
-from swarmnode.dht import SwarmDHT
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
+from swarmnode.node.context import NodeContext
 from swarmnode.node.daemon import Node
 from swarmnode.node.events import emit
 from swarmnode.node.iteration import Running, running
 from swarmnode.node.liveness import unanswered
 from swarmnode.node.planning import PlannedMicrobatch, not_ready_to_start, plan_iteration
 from swarmnode.node.worker import DataWorker
-from swarmnode.precision import Overflow, Precision
-from swarmnode.runspec import RunSpec
+from swarmnode.precision import Overflow
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +73,13 @@ class DataNode(Node):
 
     def __init__(
         self,
-        spec: RunSpec,
-        dht: SwarmDHT,
-        direct_host: str | None,
+        context: NodeContext,
         corpus: Corpus,
         data_shard: tuple[int, int] | None = None,
         eval_every: int = 25,
-        precision: Precision | None = None,
     ) -> None:
-        super().__init__(spec, 0, dht, direct_host, precision)
+        super().__init__(context, 0)
+        spec = context.spec
         self.worker = DataWorker(self.piece, self.optimizer, self.precision, self.wire)
         tokens, seed = data_node_tokens(corpus.train_tokens, data_shard, spec.seed, self.me)
         self._batches: Iterator[tuple[Tensor, Tensor]] = batches(tokens, spec.batch_size, spec.seq_len, seed)

@@ -18,6 +18,7 @@ from protocols.messages import NodeRecord, NodeState
 from swarmnode.data import check_run_data, check_splits, load_corpus
 from swarmnode.datasource import cache_dir
 from swarmnode.dht import Reach, SwarmDHT, peer_ids_of
+from swarmnode.node.context import NodeContext
 from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
 from swarmnode.node.events import emit, listen
@@ -142,9 +143,10 @@ async def run_join(options: JoinOptions) -> int:
         await ReachServer().start(await dht.replicate_p2p())
         check = asyncio.create_task(report_reachability(dht, peer_ids_of(options.initial_peers)))
         spec = await dht.wait_for_run(RUN_WAIT_S)
+        links = LinkEmulator(options.network, options.site) if options.network and options.site else None
         building: asyncio.Future[Node] | None = None
         if options.standby:
-            taken = await _stand_by(options, spec, dht)
+            taken = await _stand_by(options, spec, dht, links, metrics)
             if taken is None:
                 return 0 if dht.alive else _dht_died()
             stage, building = taken
@@ -153,16 +155,15 @@ async def run_join(options: JoinOptions) -> int:
         emit("joining", phase="stage", stage=stage, seconds=round(time.monotonic() - started, 3))
         if not 0 <= stage <= spec.stages:
             raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
-        links = LinkEmulator(options.network, options.site) if options.network and options.site else None
         next_stage: int | None = stage
         while next_stage is not None:
             if next_stage == 0:  # the run's tokenizer: the node's own, cached, or fetched from a peer
                 tokenizer = await obtain_tokenizer(spec, options.tokenizer, dht, cache_dir())
                 options = replace(options, tokenizer=tokenizer)
-            node = await _build_announced(options, spec, dht, next_stage, building)
+            if building is None:
+                building = asyncio.ensure_future(_build_node(options, spec, dht, next_stage, links, metrics))
+            node = await _announce_building(spec, dht, next_stage, options.site, building)
             building = None
-            node.metrics = metrics
-            node.links = links
             if metrics is not None:
                 metrics.attach(node)
             watchdog = asyncio.create_task(_watch_dht(dht, node))
@@ -191,7 +192,11 @@ def _dht_died() -> int:
 
 
 async def _stand_by(
-    options: JoinOptions, spec: RunSpec, dht: SwarmDHT
+    options: JoinOptions,
+    spec: RunSpec,
+    dht: SwarmDHT,
+    links: LinkEmulator | None,
+    metrics: DaemonMetrics | None,
 ) -> tuple[int, asyncio.Future[Node]] | None:
     """`--standby`: stand by until a lost stage is taken (its node built while the claim settled); None
     if stopped by SIGINT/SIGTERM meanwhile, or the DHT process died."""
@@ -201,7 +206,7 @@ async def _stand_by(
         loop.add_signal_handler(sig, stopping.set)
 
     def prepare(stage: int) -> asyncio.Future[Node]:
-        return asyncio.ensure_future(asyncio.to_thread(_build_node, options, spec, dht, stage))
+        return asyncio.ensure_future(_build_node(options, spec, dht, stage, links, metrics))
 
     try:
         return await stand_by(dht, spec, options.site, stopping, prepare)
@@ -227,26 +232,17 @@ def _serve_metrics(options: JoinOptions) -> DaemonMetrics | None:
     return metrics
 
 
-async def _build_announced(
-    options: JoinOptions,
-    spec: RunSpec,
-    dht: SwarmDHT,
-    stage: int,
-    building: asyncio.Future[Node] | None = None,
+async def _announce_building(
+    spec: RunSpec, dht: SwarmDHT, stage: int, site: str | None, building: asyncio.Future[Node]
 ) -> Node:
-    """Build the node (in a thread; `building`: a build started already) while a `recovering` record for
-    its stage stays on the DHT, republished every record period: building a large preset's stage, or a data
-    node's corpus, takes longer than one record lives, and a `--stage auto` claim that lapsed would send the
-    next joiner to the same stage. Not `joining`: a claim kept is no longer a claim that an older one beats
-    (`membership.leaves_claim` orders `joining` claims by expiry, which a republished record would push
-    forward)."""
-    if building is None:
-        building = asyncio.ensure_future(asyncio.to_thread(_build_node, options, spec, dht, stage))
+    """Wait for the node's build while a `recovering` record for its stage stays on the DHT, republished
+    every record period: building a large preset's stage, or a data node's corpus, takes longer than one
+    record lives, and a `--stage auto` claim that lapsed would send the next joiner to the same stage. Not
+    `joining`: a claim kept is no longer a claim that an older one beats (`membership.leaves_claim` orders
+    `joining` claims by expiry, which a republished record would push forward)."""
     while True:
         try:
-            await dht.publish(
-                NodeRecord(NodeState.RECOVERING, stage, 0, 0, site=options.site), spec.record_ttl_s
-            )
+            await dht.publish(NodeRecord(NodeState.RECOVERING, stage, 0, 0, site=site), spec.record_ttl_s)
         except TimeoutError:
             logger.warning("the DHT did not store this node's record in time")
         done, _ = await asyncio.wait({building}, timeout=spec.record_period_s)
@@ -254,18 +250,30 @@ async def _build_announced(
             return building.result()
 
 
-def _build_node(options: JoinOptions, spec: RunSpec, dht: SwarmDHT, stage: int) -> Node:
+async def _build_node(
+    options: JoinOptions,
+    spec: RunSpec,
+    dht: SwarmDHT,
+    stage: int,
+    links: LinkEmulator | None,
+    metrics: DaemonMetrics | None,
+) -> Node:
+    """The node of `stage`, complete: its transport first, then the node itself in a thread (building a
+    large preset's stage, or a data node's corpus, takes a while)."""
     direct = options.host if options.direct else None
     precision = Precision.parse(options.device, options.dtype or spec.dtype)
+    context = await NodeContext.connect(spec, dht, direct, precision, links, metrics, options.dump_recovery)
+    return await asyncio.to_thread(_construct, context, options, stage)
+
+
+def _construct(context: NodeContext, options: JoinOptions, stage: int) -> Node:
+    spec = context.spec
     if stage == 0:
         corpus = load_corpus(spec.source, options.tokenizer, spec.vocab_size)
         check_run_data(corpus, spec.source, spec.tokenizer_digest, spec.vocab_size)
         check_splits(corpus, spec.seq_len, str(spec.source))
-        node: Node = DataNode(spec, dht, direct, corpus, options.shard, precision=precision)
-    else:
-        node = StageNode(spec, stage, dht, direct, rebalance=options.rebalance, precision=precision)
-    node.dump_dir = options.dump_recovery
-    return node
+        return DataNode(context, corpus, options.shard)
+    return StageNode(context, stage, rebalance=options.rebalance)
 
 
 async def _watch_dht(dht: SwarmDHT, node: Node) -> None:

@@ -13,14 +13,13 @@ from torch import Tensor
 from protocols.membership import Probe, Probed, Rebalance, RebalanceAction, Viewed, Wait
 from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
 from protocols.stepbook import Group, MicrobatchKey, StepBook
-from swarmnode.dht import SwarmDHT
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
+from swarmnode.node.context import NodeContext
 from swarmnode.node.daemon import Node
 from swarmnode.node.liveness import live_peers
 from swarmnode.node.worker import MissingActivations, StageWorker
-from swarmnode.precision import Overflow, Precision
-from swarmnode.runspec import RunSpec
+from swarmnode.precision import Overflow
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +34,9 @@ BACKLOG_ITERATIONS = 4  # microbatches held or queued beyond this many iteration
 class StageNode(Node):
     """A node of transformer stage k >= 1: forward and backward passes for the microbatches routed here."""
 
-    def __init__(
-        self,
-        spec: RunSpec,
-        stage: int,
-        dht: SwarmDHT,
-        direct_host: str | None,
-        rebalance: bool = False,
-        precision: Precision | None = None,
-    ) -> None:
-        super().__init__(spec, stage, dht, direct_host, precision)
+    def __init__(self, context: NodeContext, stage: int, rebalance: bool = False) -> None:
+        super().__init__(context, stage)
+        spec = context.spec
         self.worker = StageWorker(self.piece, self.optimizer, self.precision, self.wire)
         self.book = StepBook(spec.iteration_timeout_s)
         self.rebalance = rebalance
