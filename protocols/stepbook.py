@@ -20,10 +20,10 @@ that never will arrive.
 Ticks in step. A data node that sent this node work in one tick is awaited in the next: the first forward
 of tick t opens an awaited group for every other data node seen at t - 1, which holds the step of tick t
 until that data node's forwards of t arrive and finish, it moves on to a later tick, or `await_s` passes
-(it died, or sends its work elsewhere now). So the forwards of every data node's tick t run on the weights
-of tick t - 1 and the updates of tick t follow them, whichever data node is a little ahead: without it the
-order of one node's step and another's forward was the timing's, and two runs of one seed of a 2x1 swarm
-ended 5.18 and 5.46.
+(it died, or sends its work elsewhere now; forwards that come later are taken, for a later step). So the
+forwards of every data node's tick t run on the weights of tick t - 1 and the updates of tick t follow
+them, whichever data node is a little ahead: without it the order of one node's step and another's forward
+was the timing's, and three runs of one seed of a 2x1 swarm ended 5.18 to 5.46.
 
 Senders. A message's path is written by its sender, so it cannot say who may send a gradient back or abort.
 For each microbatch it took, the book remembers the path up to this node as it arrived and every peer the
@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 MAX_EARLY_ABORTS = 4096  # aborts remembered for groups not seen yet (a bound against a flood of them)
 FORGET_AFTER_EXPIRIES = 10  # closed groups are remembered (late messages refused) this many expiry periods
-AWAIT_S = 5.0  # how long a tick's step waits at most for a data node that sent work in the tick before
+AWAIT_S = 10.0  # how long a tick's step waits at most for a data node that sent work in the tick before
 FORGET_ORIGIN_TICKS = 16  # a data node silent this many ticks is no longer remembered as a sender
 
 
@@ -190,7 +190,8 @@ class StepBook:
         updates = sorted((group for group in due if self._groups[group].applied), key=lambda g: (g[1], g[0]))
         decision = StepDecision(tuple(updates), sum(self._groups[group].applied for group in due))
         for group in due:
-            self._closed[group] = now
+            if not self._groups[group].awaited:  # an await that ran out closes nothing: its forwards, if
+                self._closed[group] = now  # they come late, open the group afresh for a later step
             del self._groups[group]
         horizon = now - FORGET_AFTER_EXPIRIES * self.expiry_s
         for group in [g for g, closed in self._closed.items() if closed < horizon]:

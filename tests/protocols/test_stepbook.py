@@ -244,9 +244,13 @@ def test_an_awaited_data_node_that_moved_on_or_never_comes_holds_the_step_no_lon
     book.finish(key("d", 5, 0), applied=True, now=1.0)
     assert book.take(key("e", 6, 0), ("e",), expected=1, now=1.2)  # e sent its tick 5 elsewhere
     assert book.ready(held=0, now=1.3) is None  # f is still awaited in tick 5
-    book.expire(now=6.1)  # f died: its await ends
+    book.expire(now=6.1)  # f died, or is very late: its await ends
     decision = book.ready(held=0, now=6.2)
     assert decision is not None and decision.updates == (("d", 5),)
+    assert book.take(key("f", 5, 0), ("f",), expected=1, now=7.0)  # late: taken, for a later step
+    book.finish(key("f", 5, 0), applied=True, now=7.1)
+    decision = book.ready(held=0, now=7.2)
+    assert decision is not None and decision.updates == (("f", 5),)
 
 
 def test_an_abort_for_an_awaited_group_waits_for_its_forwards() -> None:
