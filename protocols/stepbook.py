@@ -23,7 +23,8 @@ until that data node's forwards of t arrive and finish, it moves on to a later t
 (it died, or sends its work elsewhere now; forwards that come later are taken, for a later step). So the
 forwards of every data node's tick t run on the weights of tick t - 1 and the updates of tick t follow
 them, whichever data node is a little ahead: without it the order of one node's step and another's forward
-was the timing's, and three runs of one seed of a 2x1 swarm ended 5.18 to 5.46.
+was the timing's, and three runs of one seed of a 2x1 swarm ended 5.18 to 5.46. A node's first tick has no
+tick before: it waits for `first_tick_senders` data nodes (the run's `min_data_nodes`), at most `await_s`.
 
 Senders. A message's path is written by its sender, so it cannot say who may send a gradient back or abort.
 For each microbatch it took, the book remembers the path up to this node as it arrived and every peer the
@@ -33,6 +34,7 @@ may send its gradient; aborts come from those, the upstream peers or the data no
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -97,9 +99,13 @@ class StepDecision:
 class StepBook:
     """Per-group accounting of planned, taken and finished microbatches on one stage node, and their hops."""
 
-    def __init__(self, expiry_s: float, await_s: float = AWAIT_S) -> None:
+    def __init__(self, expiry_s: float, await_s: float = AWAIT_S, first_tick_senders: int = 1) -> None:
+        """`first_tick_senders`: how many data nodes this node's first tick waits for (at most `await_s`):
+        the run's `min_data_nodes` in a fresh swarm, where no tick before says who sends."""
         self.expiry_s = expiry_s
         self.await_s = min(await_s, expiry_s)
+        self.first_tick_senders = first_tick_senders
+        self._first_taken_at: float | None = None  # None until the first forward, then until the first step
         self._groups: dict[Group, _GroupState] = {}
         self._last_tick: dict[str, int] = {}  # each data node's latest tick seen here
         self._closed: dict[Group, float] = {}  # stepped groups, remembered to refuse late messages
@@ -127,6 +133,8 @@ class StepBook:
             return False
         state.seen.add(key.microbatch)
         self._taken[key] = _Hops(upstream)
+        if self._first_taken_at is None and not self._closed:
+            self._first_taken_at = now
         self._last_tick[key.origin] = max(self._last_tick.get(key.origin, key.iteration), key.iteration)
         latest = max(self._last_tick.values())
         for origin in [o for o, tick in self._last_tick.items() if tick < latest - FORGET_ORIGIN_TICKS]:
@@ -185,8 +193,9 @@ class StepBook:
             for group, state in self._groups.items()
             if state.complete and (oldest_open is None or group[1] < oldest_open)
         ]
-        if held or not due:
+        if held or not due or self._first_tick_waits(now):
             return None
+        self._first_taken_at = math.inf  # the first tick is over: the ticks before say who sends
         updates = sorted((group for group in due if self._groups[group].applied), key=lambda g: (g[1], g[0]))
         decision = StepDecision(tuple(updates), sum(self._groups[group].applied for group in due))
         for group in due:
@@ -197,6 +206,15 @@ class StepBook:
         for group in [g for g, closed in self._closed.items() if closed < horizon]:
             del self._closed[group]
         return decision
+
+    def _first_tick_waits(self, now: float) -> bool:
+        """Whether the first tick still waits for senders: fewer than `first_tick_senders` data nodes sent
+        work in it, for less than `await_s` since the first forward."""
+        if self._first_taken_at is None or self._first_taken_at == math.inf:
+            return False
+        first = min(iteration for _, iteration in self._groups)
+        senders = {origin for origin, iteration in self._groups if iteration == first}
+        return len(senders) < self.first_tick_senders and now - self._first_taken_at < self.await_s
 
     # ---- questions ------------------------------------------------------------------------------------
 

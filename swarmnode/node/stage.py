@@ -38,7 +38,7 @@ class StageNode(Node):
         super().__init__(context, stage)
         spec = context.spec
         self.worker = StageWorker(self.piece, self.optimizer, self.precision, self.wire)
-        self.book = StepBook(spec.iteration_timeout_s)
+        self.book = StepBook(spec.iteration_timeout_s, first_tick_senders=spec.min_data_nodes)
         self.rebalance = rebalance
         self.membership = Rebalance(
             me=self.me, stage=stage, stages=spec.stages, max_delay_s=REBALANCE_S / 2, rng=self.rng

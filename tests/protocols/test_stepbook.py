@@ -268,3 +268,26 @@ def test_an_abort_for_an_awaited_group_waits_for_its_forwards() -> None:
     book.finish(key("e", 5, 0), applied=True, now=1.4)
     decision = book.ready(held=0, now=1.5)
     assert decision is not None and decision.updates == (("d", 5), ("e", 5)) and decision.applied == 2
+
+
+def test_the_first_tick_waits_for_the_runs_data_nodes() -> None:
+    """No tick before says who sends in the first one: it waits for `first_tick_senders` data nodes, so the
+    second one's first forward runs on the initial weights too, and at most `await_s` for one that never
+    comes."""
+    book = StepBook(expiry_s=30.0, await_s=10.0, first_tick_senders=2)
+    assert book.take(key("d", 0, 0), ("d",), expected=1, now=0.0)
+    book.finish(key("d", 0, 0), applied=True, now=0.5)
+    assert book.ready(held=0, now=0.6) is None  # e has not sent yet
+    assert book.take(key("e", 0, 0), ("e",), expected=1, now=1.0)
+    book.finish(key("e", 0, 0), applied=True, now=1.5)
+    decision = book.ready(held=0, now=1.6)
+    assert decision is not None and decision.updates == (("d", 0), ("e", 0))
+    lone = StepBook(expiry_s=30.0, await_s=10.0, first_tick_senders=2)
+    assert lone.take(key("d", 3, 0), ("d",), expected=1, now=0.0)
+    lone.finish(key("d", 3, 0), applied=True, now=0.5)
+    assert lone.ready(held=0, now=9.9) is None
+    decision = lone.ready(held=0, now=10.1)  # the other data node never came
+    assert decision is not None and decision.updates == (("d", 3),)
+    assert lone.take(key("d", 4, 0), ("d",), expected=1, now=10.2)  # later ticks: no wait for anyone
+    lone.finish(key("d", 4, 0), applied=True, now=10.3)
+    assert lone.ready(held=0, now=10.4) is not None
