@@ -121,7 +121,7 @@ def trial(
     killed = time.time()
     new = standby or swarm.join("auto", name=f"new{n}")
     spawned = time.time()
-    victim.popen.wait(10)
+    victim.wait_exit(10)
     poll(lambda: not group_members([victim.pgid]), 10, "the killed process group to be gone")
 
     joining = {phase: wait_phase(new, phase) for phase in ("dht", "stage")}

@@ -63,7 +63,7 @@ def kill(swarm: LocalTestSwarm, *nodes: NodeProcess) -> float:
         node.kill_group(signal.SIGKILL)
     killed = time.time()
     for node in nodes:
-        node.popen.wait(10)
+        node.wait_exit(10)
     pgids = [node.pgid for node in nodes]
     poll(lambda: not group_members(pgids), 10, "the killed process groups to be gone")
     return killed

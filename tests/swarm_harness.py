@@ -8,8 +8,9 @@
         data.wait_event("finished", timeout=60)
     # on exit: every process group is ended (SIGTERM, then SIGKILL after a bound) and checked gone
 
-Each node runs `python -m swarmnode ...` in its own session (`start_new_session=True`), so its pid is its
-process group id and the group holds what it started: the forked DHT process and the libp2p daemon (p2pd).
+Each node runs `python -m swarmnode ...` in its own session, started and ended by the launcher's supervisor
+(`swarmnode.launcher.procs`), so its pid is its process group id and the group holds what it started: the
+forked DHT process and the libp2p daemon (p2pd).
 Its stdout (one JSON event per line) and stderr go to `{name}.out` / `{name}.err` under the swarm's folder.
 Every wait polls files or `swarmnode status --json` until a deadline; nothing sleeps in place of a signal.
 
@@ -30,7 +31,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ import swarm_clients
 from procinfo import group_members, unix_socket_paths
 
 from swarmnode.event_schema import KINDS, MalformedEvent, parse_object
+from swarmnode.launcher.procs import ChildProcess, stop_all
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -79,42 +80,29 @@ def poll(
         time.sleep(interval)
 
 
-@dataclass
 class NodeProcess:
-    """One child process in its own session; stdout and stderr in files; JSON event lines parsed on read."""
+    """One process of the swarm, started and ended by `swarmnode.launcher.procs.ChildProcess` (its own
+    session; stdout and stderr in files), its JSON event lines parsed on read."""
 
-    name: str
-    argv: tuple[str, ...]
-    folder: Path
-    env: dict[str, str] | None = None
-    popen: subprocess.Popen[bytes] = field(init=False)
-    started_at: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.out_path = self.folder / f"{self.name}.out"
-        self.err_path = self.folder / f"{self.name}.err"
-        self.started_at = time.monotonic()
-        with self.out_path.open("wb") as out, self.err_path.open("wb") as err:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                env=self.env,
-                cwd=self.folder,  # not the checkout: `python -m` puts the working directory first on sys.path
-                start_new_session=True,
-            )
+    def __init__(
+        self, name: str, argv: Sequence[str], folder: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        # in the swarm's folder, not the checkout: `python -m` puts the working directory first on sys.path
+        self.process = ChildProcess(name, argv, folder, env, cwd=folder)
+        self.out_path = self.process.stdout_path
+        self.err_path = self.process.stderr_path
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.process.pid
 
     @property
     def pgid(self) -> int:
-        return self.popen.pid  # start_new_session: the child leads its own group
+        return self.process.pid  # a new session: the child leads its own group
 
     def poll(self) -> int | None:
-        return self.popen.poll()
+        return self.process.poll()
 
     def lines(self) -> list[str]:
         try:
@@ -154,7 +142,7 @@ class NodeProcess:
             return ""
 
     def check_alive(self) -> None:
-        code = self.popen.poll()
+        code = self.process.poll()
         if code is not None:
             raise HarnessError(f"{self.name} exited with {code}; stderr:\n{self.stderr_tail()}")
 
@@ -178,51 +166,24 @@ class NodeProcess:
 
     def wait_exit(self, timeout: float) -> int:
         try:
-            return self.popen.wait(timeout)
+            return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             raise HarnessError(f"{self.name} did not exit within {timeout:.0f} s") from None
 
     def terminate(self) -> None:
         """SIGTERM to the leader only, so that the daemon can close its DHT and p2pd in order."""
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(signal.SIGTERM)
+        self.process.terminate()
 
     def kill_group(self, signum: int = signal.SIGKILL) -> None:
-        """Signal the node's whole process group, unless the group is gone: once its leader is reaped and no
-        member is left, the id may already be another process's."""
-        if self.popen.returncode is not None and not group_members([self.pgid]):
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pgid, signum)
+        """Signal the node's whole process group, unless the group is gone (`ChildProcess.signal_group`)."""
+        self.process.signal_group(signum)
 
 
-def stop_processes(nodes: Sequence[NodeProcess], grace: float = TERM_GRACE_S) -> dict[int, tuple[int, str]]:
-    """End every node: SIGTERM to each leader, `grace` seconds to exit, SIGTERM then SIGKILL to every group.
-
-    Returns the processes of their groups still alive afterwards (empty when all is clean).
-    """
-    for node in nodes:
-        node.terminate()
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(node.poll() is None for node in nodes):
-        time.sleep(0.05)
-    pgids = [node.pgid for node in nodes]
-    if group_members(pgids):  # a daemon that exited may have left its DHT process or p2pd
-        for node in nodes:
-            node.kill_group(signal.SIGTERM)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and group_members(pgids):
-            time.sleep(0.05)
-    for node in nodes:
-        node.kill_group(signal.SIGKILL)
-    for node in nodes:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            node.popen.wait(KILL_SETTLE_S)
-    deadline = time.monotonic() + KILL_SETTLE_S
-    while time.monotonic() < deadline and group_members(pgids):
-        time.sleep(0.05)
-    return group_members(pgids)
+def stop_processes(nodes: Sequence[NodeProcess]) -> dict[int, tuple[int, str]]:
+    """End every node (`procs.stop_all`: SIGTERM to each leader, then to each group still running, then
+    SIGKILL to every group); the processes of their groups still alive after that (none when all is clean)."""
+    left = stop_all([node.process for node in nodes], TERM_GRACE_S, settle=KILL_SETTLE_S)
+    return group_members(child.pid for child in left)
 
 
 # ---- the swarm ------------------------------------------------------------------------------------------
@@ -335,8 +296,7 @@ class LocalTestSwarm:
 
     def _reap(self, node: NodeProcess) -> None:
         self.note_sockets()
-        left = stop_processes([node])
-        self.left_behind.update(left)
+        self.left_behind.update(stop_processes([node]))
 
     def live_pids(self) -> list[int]:
         return list(group_members(node.pgid for node in self.nodes))
@@ -368,8 +328,14 @@ class LocalTestSwarm:
         )
 
     def leftover_sockets(self) -> dict[str, str]:
-        """Socket files of our processes that still exist: path -> node name."""
-        return {path: name for path, name in sorted(self.sockets.items()) if os.path.exists(path)}
+        """Socket files of our processes that still exist, or that ending a group by SIGKILL had to remove
+        (`ChildProcess.kill`): path -> node name."""
+        removed = {str(path) for node in self.nodes for path in node.process.removed_sockets}
+        return {
+            path: name
+            for path, name in sorted(self.sockets.items())
+            if path in removed or os.path.exists(path)
+        }
 
     def remove_leftover_sockets(self) -> dict[str, str]:
         """Unlink socket files our (now dead) processes left in /tmp; returns them (path -> node)."""

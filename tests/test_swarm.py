@@ -8,7 +8,6 @@ failure, and checks that nothing of theirs (daemon, DHT process, p2pd) is left r
 from __future__ import annotations
 
 import math
-import signal
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -297,7 +296,7 @@ def test_daemon_leaves_nothing_after_sigterm(swarm: LocalTestSwarm) -> None:
     mine = [path for path, name in swarm.sockets.items() if name == node.name]
     assert any("p2pd" in path for path in mine) and any("p2pclient" in path for path in mine), mine
 
-    node.popen.send_signal(signal.SIGTERM)
+    node.terminate()
     assert node.wait_exit(30) == 0, node.stderr_tail()
     poll(lambda: not group_members([node.pgid]), 10, "the daemon's DHT process and p2pd to exit")
     left = [path for path in mine if Path(path).exists()]

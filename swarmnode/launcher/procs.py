@@ -27,22 +27,36 @@ from types import FrameType, TracebackType
 from typing import Any
 
 _PROC = Path("/proc")
+GROUP_GRACE_S = 2.0  # a group whose leader is gone (or would not go) gets this long after SIGTERM
 
 
 class ChildProcess:
-    """One child process: `argv` run in a new session, stdout to `{log_dir}/{name}.out`, stderr to `.err`."""
+    """One child process: `argv` run in a new session (in `cwd`, default ours), stdout to
+    `{log_dir}/{name}.out`, stderr to `.err`."""
 
     def __init__(
-        self, name: str, argv: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.name = name
         self.argv = tuple(argv)
         self.stdout_path = log_dir / f"{name}.out"
         self.stderr_path = log_dir / f"{name}.err"
         self.started_at = time.monotonic()
+        self.removed_sockets: set[Path] = set()  # socket files `kill` removed for the group
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
             self._popen = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
             )
         self._group_gone = False
 
@@ -61,6 +75,12 @@ class ChildProcess:
         code = self._popen.poll()
         if code is not None:
             self.group_running()
+        return code
+
+    def wait(self, timeout: float) -> int:
+        """The child's exit code once it has exited; subprocess.TimeoutExpired after `timeout` seconds."""
+        code = self._popen.wait(timeout)
+        self.poll()
         return code
 
     def signal_group(self, signum: int) -> None:
@@ -88,6 +108,7 @@ class ChildProcess:
         for path in sockets:
             with suppress(OSError):
                 path.unlink(missing_ok=True)
+        self.removed_sockets |= sockets
         return code
 
     def group_running(self) -> bool:
@@ -156,8 +177,10 @@ def stop_all(
     hurry: Callable[[], bool] = lambda: False,
     settle: float = 3.0,
 ) -> list[ChildProcess]:
-    """End every child: SIGTERM to the child, up to `grace` seconds to exit (less once `hurry()` is true),
-    then SIGKILL to its group.
+    """End every child: SIGTERM to the child, up to `grace` seconds to exit (less once `hurry()` is true);
+    then, where its group still runs (a leader that exited may leave its DHT process or p2pd), SIGTERM to
+    the group and up to `GROUP_GRACE_S` more (so a p2pd removes its own socket files); then SIGKILL to the
+    group.
 
     Groups are always SIGKILLed at the end, even when their leader exited cleanly, so a p2pd it left behind
     dies too. Returns the children whose groups still had running members `settle` seconds later.
@@ -166,9 +189,11 @@ def stop_all(
     if grace > 0:
         for child in children:
             child.terminate()
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and not hurry() and any(child.poll() is None for child in children):
-            time.sleep(0.05)
+        _wait_while(lambda: any(child.poll() is None for child in children), grace, hurry)
+        running = [child for child in children if child.group_running()]
+        for child in running:
+            child.signal_group(signal.SIGTERM)
+        _wait_while(lambda: any(child.group_running() for child in running), GROUP_GRACE_S, hurry)
     for child in children:
         child.kill()
     deadline = time.monotonic() + settle
@@ -176,6 +201,13 @@ def stop_all(
         left = [child for child in children if child.group_running()]
         if not left or time.monotonic() >= deadline:
             return left
+        time.sleep(0.05)
+
+
+def _wait_while(busy: Callable[[], bool], seconds: float, hurry: Callable[[], bool]) -> None:
+    """Poll `busy` until it is false, `seconds` have passed, or `hurry()` is true."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not hurry() and busy():
         time.sleep(0.05)
 
 

@@ -85,6 +85,29 @@ def test_stop_all_cleans_the_group_of_a_child_that_already_exited(tmp_path: Path
     assert not running(grandchild)
 
 
+# A child that leaves a grandchild which, on SIGTERM, writes "cleaned" (as a p2pd removes its sockets).
+LEAVER = """
+import subprocess, sys
+code = (
+    "import pathlib, signal, sys, time\\n"
+    "done = pathlib.Path(sys.argv[1])\\n"
+    "signal.signal(signal.SIGTERM, lambda *_: (done.write_text('cleaned'), sys.exit(0)))\\n"
+    "print('ready', flush=True); time.sleep(300)\\n"
+)
+grandchild = subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], stdout=subprocess.PIPE)
+print(grandchild.stdout.readline().decode().strip(), flush=True)
+"""
+
+
+def test_stop_all_terms_a_group_its_leader_left_before_killing_it(tmp_path: Path) -> None:
+    done = tmp_path / "done"
+    child = ChildProcess("leaver", [sys.executable, "-c", LEAVER, str(done)], tmp_path, cwd=tmp_path)
+    assert child.wait(20) == 0 and child.stdout_path.read_text() == "ready\n"
+    assert child.group_running()  # the grandchild lives on in the group
+    assert stop_all([child], grace=1.0) == []
+    assert done.read_text() == "cleaned"  # it had its SIGTERM before the group's SIGKILL
+
+
 def test_a_group_that_emptied_after_its_leader_was_reaped_is_never_signalled_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
