@@ -41,6 +41,7 @@ from typing import NamedTuple
 MAX_EARLY_ABORTS = 4096  # aborts remembered for groups not seen yet (a bound against a flood of them)
 FORGET_AFTER_EXPIRIES = 10  # closed groups are remembered (late messages refused) this many expiry periods
 AWAIT_S = 10.0  # how long a tick's step waits at most for a data node that sent work in the tick before
+# (at most a third of the expiry, the run's iteration timeout)
 FORGET_ORIGIN_TICKS = 16  # a data node silent this many ticks is no longer remembered as a sender
 
 
@@ -103,7 +104,7 @@ class StepBook:
         """`first_tick_senders`: how many data nodes this node's first tick waits for (at most `await_s`):
         the run's `min_data_nodes` in a fresh swarm, where no tick before says who sends."""
         self.expiry_s = expiry_s
-        self.await_s = min(await_s, expiry_s)
+        self.await_s = min(await_s, expiry_s / 3)  # so a data node's iteration outlasts a wait for another
         self.first_tick_senders = first_tick_senders
         self._first_taken_at: float | None = None  # None until the first forward, then until the first step
         self._groups: dict[Group, _GroupState] = {}

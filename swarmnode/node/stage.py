@@ -12,7 +12,7 @@ from torch import Tensor
 
 from protocols.membership import Probe, Probed, Rebalance, RebalanceAction, Viewed, Wait
 from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
-from protocols.stepbook import AWAIT_S, Group, MicrobatchKey, StepBook
+from protocols.stepbook import Group, MicrobatchKey, StepBook
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
 from swarmnode.node.context import NodeContext
@@ -27,7 +27,6 @@ REBALANCE_S = 5.0
 
 
 ORIGIN_REFRESH_S = 1.0  # at most one DHT read a second for forwards from a data node not in the view
-TICK_WAIT_S = AWAIT_S  # a forward waits at most this long for the step of an older tick, then runs anyway
 BACKLOG_ITERATIONS = 4  # microbatches held or queued beyond this many iterations' worth are refused (BUSY)
 
 
@@ -142,7 +141,9 @@ class StageNode(Node):
             async with self._stepped:
                 try:
                     await asyncio.wait_for(
-                        self._stepped.wait_for(lambda: not self.book.waits(key.iteration)), TICK_WAIT_S
+                        # as long as the step may wait for an awaited data node (`StepBook.await_s`)
+                        self._stepped.wait_for(lambda: not self.book.waits(key.iteration)),
+                        self.book.await_s,
                     )
                 except TimeoutError:
                     logger.warning("microbatch %s ran before the step of an older iteration", key)
