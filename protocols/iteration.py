@@ -255,8 +255,10 @@ class DataIteration:
         if isinstance(event, Returned):
             if mb.state not in OUTBOUND:
                 raise StaleMessage(f"microbatch {event.microbatch} came back already")
+            # the peers its path lost on the way: a Route notice may come after the activations
+            gone = [peer for peer in mb.path[mb.routed_at + 1 : -1] if peer not in event.path]
             mb.state, mb.path = MicrobatchState.RETURNED, tuple(event.path)
-            return (ComputeLoss(event.microbatch),)
+            return (ComputeLoss(event.microbatch), *(Suspect(peer) for peer in dict.fromkeys(gone)))
         if event.peer not in mb.tries:
             raise WrongSender(f"{event.peer[-8:]} was not sent microbatch {event.microbatch}")
         if mb.state is not MicrobatchState.BACKWARD:

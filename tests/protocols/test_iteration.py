@@ -143,6 +143,14 @@ def test_a_microbatch_on_a_path_through_an_unreachable_peer_is_lost_at_once() ->
     assert iteration.state(1) is State.SENT  # s2b only did not answer in time: it may be slow
 
 
+def test_a_path_that_came_back_without_a_planned_peer_suspects_it() -> None:
+    # the last stage died: the stage before skipped it and sent the activations home before its Route notice
+    iteration = started()
+    iteration.handle(Sent(0, PATHS[0]))
+    skipped = (ME, "s1a", ME)
+    assert iteration.handle(returned(0, skipped)) == (ComputeLoss(0), Suspect("s2a"))
+
+
 def test_a_microbatch_re_routed_around_a_dead_peer_is_not_lost() -> None:
     iteration = started()
     iteration.handle(Sent(0, PATHS[0]))
@@ -185,8 +193,8 @@ def test_a_route_notice_that_overtakes_the_first_hops_ack_keeps_its_path() -> No
 
 def test_activations_that_overtake_the_first_hops_ack_keep_the_path_they_came_back_along() -> None:
     iteration = started()
-    came_back = (ME, "s1c", "s2a", ME)
-    assert iteration.handle(returned(0, came_back)) == (ComputeLoss(0),)
+    came_back = (ME, "s1c", "s2a", ME)  # the planned first hop, s1a, was passed over (it refused or died)
+    assert iteration.handle(returned(0, came_back)) == (ComputeLoss(0), Suspect("s1a"))
     assert iteration.handle(Sent(0, (ME, "s1c", "s2a-planned", ME))) == ()
     assert iteration.state(0) is State.RETURNED and iteration.path(0) == came_back
     assert iteration.handle(Unsent(0)) == ()  # a return proves it went out
