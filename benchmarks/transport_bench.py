@@ -6,12 +6,16 @@ Candidates, all between two OS processes on loopback (each with its own p2pd whe
 - hivemind stream:  `iterate_protobuf_handler`, the tensor split by `split_for_streaming` (64 KiB parts).
 - libp2p per call:  swarmnode framing on a fresh raw libp2p stream per call (`call_binary_stream_handler`).
 - swarmnode libp2p: `swarmnode.transport.Transport` (default): persistent, pooled libp2p streams.
-- swarmnode direct: `Transport` with `direct_host`: a direct TCP stream granted over libp2p, pooled.
+- swarmnode direct: `Transport` with `direct_host`: a direct TCP stream granted over libp2p, pooled;
+                    plaintext, which a daemon offers only on loopback.
+- swarmnode encrypted: the same direct stream, encrypted and bound to both libp2p identities: the path two
+                    daemons on different hosts use by default (`remote_default` in the JSON).
 - plain TCP:        swarmnode framing on one persistent asyncio TCP connection: the loopback ceiling.
 
 Each runs with the tensor as float32 and as float16 on the wire (hivemind's FLOAT16); MiB/s counts the fp32
 size; CPU is that of both processes and both p2pd together. Run `python benchmarks/transport_bench.py`
-(about a minute; `--quick`: a few seconds). The machine is noisy: expect 30% differences between runs.
+(about a minute; `--quick`: a few seconds; `--json FILE`: also write every cell as a row, with the machine's
+load). The machine is noisy: expect 30% differences between runs.
 """
 
 from __future__ import annotations
@@ -19,14 +23,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 import uvloop
@@ -36,6 +43,7 @@ from hivemind.proto.runtime_pb2 import CompressionType, ExpertRequest, ExpertRes
 from hivemind.utils.asyncio import as_aiter
 from hivemind.utils.streaming import split_for_streaming
 
+from swarmnode.identity import Identity
 from swarmnode.transport import Compression, Limits, Transport, TransportConfig
 from swarmnode.transport._framing import encode_request, encode_response, read_frame, write_frame
 
@@ -48,10 +56,13 @@ OPTIONS = (
     "libp2p per call",
     "swarmnode libp2p",
     "swarmnode direct",
+    "swarmnode encrypted",
     "plain TCP",
 )
+REMOTE_DEFAULT = "swarmnode encrypted"
 CONFIG = TransportConfig(limits=Limits(max_message_bytes=1 << 30))
 DIRECT = dataclasses.replace(CONFIG, direct_host="127.0.0.1")
+ENCRYPTED = dataclasses.replace(DIRECT, plaintext_loopback=False)  # sealed on loopback too, as between hosts
 
 Push = Callable[[torch.Tensor, Compression], Awaitable[None]]
 
@@ -95,13 +106,28 @@ async def _tcp_session(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         writer.close()
 
 
+async def _p2p(identity: Identity, initial_peers: list[str] | None = None) -> P2P:
+    """A P2P whose p2pd runs with `identity` (as a daemon's does), so that the encrypted path can prove it."""
+    with tempfile.TemporaryDirectory() as folder:
+        key_file = Path(folder) / "identity.key"
+        identity.save(key_file)
+        return await P2P.create(
+            initial_peers=initial_peers or [],
+            host_maddrs=HOST,
+            nat_port_map=False,
+            identity_path=str(key_file),
+            check_if_identity_free=False,
+        )
+
+
 async def _serve(conn: Connection) -> None:
-    p2p = await P2P.create(host_maddrs=HOST, nat_port_map=False)
+    identity = Identity.generate()
+    p2p = await _p2p(identity)
     await p2p.add_protobuf_handler("bench.unary", _unary, ExpertRequest)
     await p2p.add_protobuf_handler(
         "bench.stream", _streaming, ExpertRequest, stream_input=True, stream_output=True
     )
-    transport = Transport(p2p, DIRECT)
+    transport = Transport(p2p, DIRECT, identity=identity)  # accepts plaintext (loopback) and encrypted calls
     transport.register("ack", _ack)
     await transport.start()
     tcp = await asyncio.start_server(_tcp_session, "127.0.0.1", 0)
@@ -153,11 +179,13 @@ async def _measure(push: Push, tensor: torch.Tensor, compression: Compression, b
 
 
 async def _client(maddrs: list[str], port: int, sizes: tuple[int, ...], budget: float) -> Results:
-    p2p = await P2P.create(initial_peers=maddrs, host_maddrs=HOST, nat_port_map=False)
+    identity = Identity.generate()
+    p2p = await _p2p(identity, maddrs)
     server = PeerID.from_base58(maddrs[0].rsplit("/p2p/", 1)[1])
     persistent = Transport(p2p, CONFIG)
     per_call = Transport(p2p, dataclasses.replace(CONFIG, max_idle_streams=0))
     direct = Transport(p2p, DIRECT)
+    encrypted = Transport(p2p, ENCRYPTED, identity=identity)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.transport.set_write_buffer_limits(high=0)
 
@@ -184,7 +212,11 @@ async def _client(maddrs: list[str], port: int, sizes: tuple[int, ...], budget: 
         await read_frame(reader, CONFIG.limits)
 
     pushes = dict(
-        zip(OPTIONS, (unary, stream, via(per_call), via(persistent), via(direct), tcp), strict=True)
+        zip(
+            OPTIONS,
+            (unary, stream, via(per_call), via(persistent), via(direct), via(encrypted), tcp),
+            strict=True,
+        )
     )
     results: Results = {}
     try:
@@ -199,8 +231,10 @@ async def _client(maddrs: list[str], port: int, sizes: tuple[int, ...], budget: 
                     )
     finally:
         writer.close()
-        for transport in (persistent, per_call, direct):
+        for transport in (persistent, per_call, direct, encrypted):
             await transport.close()
+        if encrypted.stats.streams_opened["encrypted"] == 0:
+            raise RuntimeError("the encrypted option never used the encrypted path")
         await p2p.shutdown()
     return results
 
@@ -240,6 +274,29 @@ def _cpu(cell: Cell, ceiling: Cell, size: int) -> str:
     return f"{cell.cpu_seconds * 1e3:.2f} ms, {cell.cpu_seconds / max(ceiling.cpu_seconds, 1e-6):.1f}x"
 
 
+def _rows(results: Results) -> list[dict[str, object]]:
+    """One row per measured cell: its option, wire dtype and size, and its ratios against plain TCP."""
+    rows: list[dict[str, object]] = []
+    for (option, compression, size), cell in results.items():
+        ceiling = results["plain TCP", compression, size]
+        if cell is None or ceiling is None:
+            continue
+        rows.append(
+            {
+                "option": option,
+                "wire": "fp16" if compression is Compression.FLOAT16 else "fp32",
+                "size_bytes": size,
+                "seconds": cell.seconds,
+                "mib_per_s": size / 2**20 / cell.seconds,
+                "cpu_seconds": cell.cpu_seconds,
+                "ratio_vs_tcp": ceiling.seconds / cell.seconds,
+                "cpu_vs_tcp": cell.cpu_seconds / max(ceiling.cpu_seconds, 1e-6),
+                "remote_default": option == REMOTE_DEFAULT,
+            }
+        )
+    return rows
+
+
 async def _swarmnode_codec(tensor: torch.Tensor, compression: Compression) -> float:
     """Encode, then decode from an in-memory stream (the same copies as from a socket); return seconds."""
     reader = asyncio.StreamReader()
@@ -271,7 +328,9 @@ def _codec_table() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three sizes, briefly (a smoke run)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows and the load here")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     torch.set_num_threads(1)  # conversions on the event loop thread; no intra-op thread pool spinning
     ctx = mp.get_context("fork")
     ours, theirs = ctx.Pipe()
@@ -295,6 +354,13 @@ def main() -> None:
     print(_table(results, _cpu))
     print("\nSerialise + deserialise one 32 MiB fp32 tensor in-process (best of 3)\n")
     print(_codec_table())
+    load_after = os.getloadavg()
+    print(
+        f"\nLoad average (1, 5, 15 min) before: {load_before}, after: {load_after}, on {os.cpu_count()} CPUs"
+    )
+    if args.json is not None:
+        machine = {"cpus": os.cpu_count(), "load_before": load_before, "load_after": load_after}
+        args.json.write_text(json.dumps({"machine": machine, "rows": _rows(results)}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

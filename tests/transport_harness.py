@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import uvloop
 from hivemind.p2p import P2P, PeerID
 
+from swarmnode.identity import Identity
 from swarmnode.transport import Limits, Transport, TransportConfig
 
 T = TypeVar("T")
@@ -55,8 +58,20 @@ def p2pd_children() -> set[int]:
     return pids
 
 
-async def new_p2p(initial_peers: list[Any] | None = None) -> P2P:
-    return await P2P.create(initial_peers=initial_peers, host_maddrs=HOST, nat_port_map=False)
+async def new_p2p(initial_peers: list[Any] | None = None, identity: Identity | None = None) -> P2P:
+    """A P2P on loopback; with `identity`, its p2pd runs with that key (as a daemon's does)."""
+    if identity is None:
+        return await P2P.create(initial_peers=initial_peers, host_maddrs=HOST, nat_port_map=False)
+    with tempfile.TemporaryDirectory() as folder:
+        key_file = Path(folder) / "identity.key"
+        identity.save(key_file)
+        return await P2P.create(
+            initial_peers=initial_peers,
+            host_maddrs=HOST,
+            nat_port_map=False,
+            identity_path=str(key_file),
+            check_if_identity_free=False,
+        )
 
 
 @dataclass

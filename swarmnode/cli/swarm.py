@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import time
 from pathlib import Path
@@ -86,6 +87,15 @@ def _owners_or_fail(values: tuple[str, ...]) -> tuple[str, ...]:
         except IdentityError as error:
             raise click.BadParameter(str(error), param_hint="--run-owner") from None
     return values
+
+
+def _is_ip(host: str) -> bool:
+    """Whether `host` is one IP address (the direct path listens there; a name may resolve to several)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _peers_or_fail(value: str | None) -> list[str]:
@@ -304,7 +314,8 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @click.option(
     "--direct/--no-direct",
     default=None,
-    help="Also send tensors over plain TCP to peers that offer it (default: only on loopback).",
+    help="Also send tensors over direct TCP to peers that offer it: encrypted and bound to both peers' "
+    "libp2p identities (plaintext between loopback daemons). Default: on when --host is an IP address.",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch threads for this node.")
 @click.option(
@@ -387,7 +398,7 @@ def join(
         host=host,
         port=port,
         public=public,
-        direct=direct if direct is not None else host in ("127.0.0.1", "localhost", "::1"),
+        direct=direct if direct is not None else _is_ip(host),
         threads=threads,
         shard=_shard(shard),
         tokenizer=tokenizer,

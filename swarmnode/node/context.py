@@ -46,5 +46,5 @@ class NodeContext:
         config = TransportConfig(
             direct_host=direct_host, ban_seconds=BAN_SECONDS, max_request_seconds=request_seconds(spec)
         )
-        transport = Transport(await dht.replicate_p2p(), config, links)
+        transport = Transport(await dht.replicate_p2p(), config, links, identity=dht.identity)
         return cls(spec, dht, transport, precision, links, metrics, dump_dir)

@@ -37,10 +37,14 @@ class TransportConfig:
         larger meta is refused as malformed before its handler sees it.
     max_idle_streams: outbound streams kept open for reuse, across all peers.
     ban_seconds: how long a peer that sent a malformed frame is refused (0: never ban).
-    direct_host: listen for direct TCP on this IP address ("127.0.0.1", or "0.0.0.0" for a LAN) and use
-        peers' direct paths; None (default): libp2p only. Plaintext: for loopback and trusted networks.
-    max_pending_hellos: direct TCP connections that have not yet presented their token; a newer one closes
-        the oldest (an honest caller presents its token at once).
+    direct_host: listen for direct TCP on this IP address ("127.0.0.1", or "0.0.0.0" for other hosts) and use
+        peers' direct paths; None (default): libp2p only. The direct path is encrypted and bound to both
+        libp2p identities (`Transport`'s `identity` is then required), except as `plaintext_loopback` allows.
+    plaintext_loopback: with a loopback `direct_host`, also accept plaintext direct connections (they cannot
+        leave the machine), and use them to peers at a loopback IP that offer them. False: encrypted there
+        too.
+    max_pending_hellos: direct TCP connections that have not yet finished their handshake; a newer one closes
+        the oldest (an honest caller completes its handshake at once).
     direct_retry_seconds: after a peer's direct path failed, use libp2p to it for this long.
     """
 
@@ -61,6 +65,7 @@ class TransportConfig:
     max_idle_streams: int = 64
     ban_seconds: float = 60.0
     direct_host: str | None = None
+    plaintext_loopback: bool = True
     max_pending_hellos: int = 64
     direct_retry_seconds: float = 60.0
 
@@ -82,11 +87,14 @@ class TransportConfig:
 @dataclass
 class TransportStats:
     """Counters since start: calls that succeeded and failed (by error type), requests served and answered
-    with an error (by code), outbound streams opened (by path: "libp2p", "direct").
+    with an error (by code), outbound streams opened (by path: "libp2p", "encrypted" direct, plaintext
+    "direct").
 
     refused: streams and requests refused, by reason: "malformed" (answered "bad_request"), "banned",
         "streams" (all stream slots busy), "peer_streams" (the peer's slots busy), "bytes" (the inbound byte
-        budget), "hello" (a direct connection closed for a newer one before its token came).
+        budget), "hello" (a direct connection closed for a newer one before its handshake ended),
+        "direct_hello" (a direct connection with a bad hello or token), "identity" (a direct connection whose
+        caller could not sign as the peer its token was granted to).
     dropped: inbound streams closed without an answer, by reason: "idle" (no request within idle_timeout),
         "evicted" (waiting for a request when a new stream needed its slot), "head" (a head slower than
         header_timeout), "slow_body" (under the rate floor), "stalled" (past the request's deadline),

@@ -1,9 +1,10 @@
 """The `Transport` facade: named tensor RPCs between daemons, over pooled libp2p streams or direct TCP.
 
 By default every stream is a libp2p stream through the daemons' p2pd (authenticated, encrypted, any network
-hivemind reaches); with `TransportConfig.direct_host` set, calls prefer the direct TCP path (`_direct`) and
-fall back to libp2p. Peers are found by hivemind (DHT, libp2p) either way. The calling side's streams are in
-`_pool`, the serving side in `_serving`.
+hivemind reaches); with `TransportConfig.direct_host` set, calls prefer the direct TCP path (`_direct`:
+encrypted and bound to both peers' libp2p identities, plaintext only on loopback) and fall back to libp2p.
+Peers are found by hivemind (DHT, libp2p) either way. The calling side's streams are in `_pool`, the serving
+side in `_serving`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from protocols.links import LinkEstimates
+from swarmnode.identity import Identity
 from swarmnode.transport._config import TransportConfig, TransportStats
-from swarmnode.transport._direct import GRANT_METHOD, DirectDialer, DirectListener
+from swarmnode.transport._direct import GRANT_METHOD, DirectDialer, DirectListener, is_loopback
 from swarmnode.transport._errors import CallTimeout, TransportError
 from swarmnode.transport._framing import MAX_METHOD_CHARS, Compression, encode_request, frame_size
 from swarmnode.transport._links import LinkEmulator
@@ -42,8 +44,14 @@ class Transport:
     """
 
     def __init__(
-        self, p2p: P2P, config: TransportConfig | None = None, links: LinkEmulator | None = None
+        self,
+        p2p: P2P,
+        config: TransportConfig | None = None,
+        links: LinkEmulator | None = None,
+        identity: Identity | None = None,
     ) -> None:
+        """`identity`: the daemon's libp2p identity (the key of `p2p`'s peer id), with which the encrypted
+        direct path proves who this side is; required for a `direct_host` that is not plaintext loopback."""
         self._p2p = p2p
         self._config = config or TransportConfig()
         self._links = links
@@ -58,9 +66,16 @@ class Transport:
         )
         self._dialer: DirectDialer | None = None
         self._listener: DirectListener | None = None
-        if self._config.direct_host is not None:
-            self._dialer = DirectDialer(self._pool, self._config, self.stats)
-            self._listener = DirectListener(self._config, self.stats, self._server.serve_stream)
+        if identity is not None and identity.peer_id != p2p.peer_id.to_base58():
+            raise ValueError(f"the identity {identity.peer_id} is not that of the p2p daemon {p2p.peer_id}")
+        host = self._config.direct_host
+        if host is not None:
+            if identity is None and not (self._config.plaintext_loopback and is_loopback(host)):
+                raise ValueError(f"an encrypted direct path on {host} needs the daemon's identity")
+            self._dialer = DirectDialer(self._pool, self._config, self.stats, identity, p2p.peer_id)
+            self._listener = DirectListener(
+                self._config, self.stats, self._server.serve_stream, identity, p2p.peer_id
+            )
         self._started = False
 
     @property

@@ -1,0 +1,256 @@
+"""A direct TCP connection's protocol: raw bytes for a handshake, then asyncio streams, sealed or not.
+
+`Channel` is the protocol of one TCP connection (either side). Until `open_streams`, the handshake reads and
+writes raw bytes (`read_raw`, `write_raw`); then it hands an `asyncio.StreamReader`/`StreamWriter` pair to the
+transport, the same kind the libp2p path gives, so framing and serving do not know which path they run on.
+
+Sealed, every write becomes records of at most `MAX_RECORD` plaintext bytes:
+
+    record  length: uint32 little-endian (of the plaintext), then AES-GCM(plaintext) and its 16-byte tag
+
+with the length as associated data and a 96-bit nonce counting the records of that direction from 0 (each
+direction has its own key, fresh per connection: a nonce is never used twice under one key). A record that
+is too long, does not authenticate, or comes out of order ends the connection: the reader then raises
+ConnectionError. Unsealed (the loopback plaintext path), bytes pass through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORD = 1 << 20  # plaintext bytes per record: one write_frame chunk
+TAG_BYTES = 16
+_LENGTH_BYTES = 4
+_MAX_RAW = 2 * (MAX_RECORD + TAG_BYTES + _LENGTH_BYTES)  # received bytes buffered before reading pauses
+_MAX_COUNTER = 1 << 64
+
+
+def _nonce(counter: int) -> bytes:
+    if counter >= _MAX_COUNTER:
+        raise ConnectionError("record counter exhausted")  # 2**64 records: never in practice
+    return counter.to_bytes(12, "big")
+
+
+class _SealedTransport(asyncio.Transport):
+    """What the app's StreamWriter writes to: seals each write into records on the TCP transport."""
+
+    def __init__(self, inner: asyncio.Transport, seal: AESGCM) -> None:
+        super().__init__()
+        self._inner = inner
+        self._seal = seal
+        self._sent = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        with memoryview(data) as view, view.cast("B") as octets:
+            for start in range(0, octets.nbytes, MAX_RECORD):
+                piece = octets[start : start + MAX_RECORD]
+                length = piece.nbytes.to_bytes(_LENGTH_BYTES, "little")
+                sealed = self._seal.encrypt(_nonce(self._sent), piece, length)
+                self._sent += 1
+                self._inner.writelines((length, sealed))
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def is_closing(self) -> bool:
+        return self._inner.is_closing()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._inner.get_extra_info(name, default)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._inner.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._inner.get_write_buffer_size()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._inner.get_write_buffer_limits()
+
+    def pause_reading(self) -> None:
+        self._inner.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._inner.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._inner.is_reading()
+
+
+class Channel(asyncio.Protocol):
+    """One direct TCP connection. `on_open(channel)` runs once the connection is made (the listener starts
+    its handshake there)."""
+
+    def __init__(self, on_open: Callable[[Channel], None] | None = None) -> None:
+        self._on_open = on_open
+        self._transport: asyncio.Transport | None = None
+        self._raw = bytearray()  # received, not yet read by the handshake or opened
+        self._waiter: asyncio.Future[None] | None = None  # the handshake's read, while bytes are missing
+        self._app: asyncio.StreamReaderProtocol | None = None
+        self._open: AESGCM | None = None
+        self._received = 0  # records opened
+        self._lost: BaseException | None = None
+        self._ended = False  # the connection is lost (or the peer sent EOF)
+        self._writing_paused = False  # the TCP transport's write buffer is over its high mark
+
+    @property
+    def peername(self) -> object:
+        return None if self._transport is None else self._transport.get_extra_info("peername")
+
+    # ---- asyncio.Protocol -------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # always a TCP transport here
+        if self._on_open is not None:
+            self._on_open(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._app is not None and self._open is None:
+            self._app.data_received(data)
+            return
+        self._raw += data
+        if self._app is not None:
+            self._unseal()
+        elif self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        if self._transport is not None and len(self._raw) > _MAX_RAW:
+            self._transport.pause_reading()  # until the handshake reads or the app opens what came
+
+    def eof_received(self) -> bool | None:
+        self._ended = True
+        if self._app is not None:
+            return self._app.eof_received()
+        self._wake(asyncio.IncompleteReadError(bytes(self._raw), None))
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended = True
+        error = self._lost or exc
+        if self._app is not None:
+            self._app.connection_lost(error)  # type: ignore[arg-type]  # ours is a ConnectionError
+        self._wake(ConnectionError(f"connection lost: {error}"))
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+        if self._app is not None:
+            self._app.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        if self._app is not None:
+            self._app.resume_writing()
+
+    # ---- the handshake ----------------------------------------------------------------------------------
+
+    async def read_raw(self, n: int) -> bytes:
+        """Exactly `n` bytes; IncompleteReadError or ConnectionError if the connection ends first."""
+        while len(self._raw) < n:
+            if self._ended:
+                raise asyncio.IncompleteReadError(bytes(self._raw), n)
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = bytes(self._raw[:n])
+        del self._raw[:n]
+        if self._transport is not None and len(self._raw) <= _MAX_RAW:
+            self._transport.resume_reading()
+        return data
+
+    def write_raw(self, data: bytes) -> None:
+        if self._transport is not None:
+            self._transport.write(data)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def open_streams(
+        self, seal: AESGCM | None, unseal: AESGCM | None
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """After the handshake: the streams of the connection, sealed with these keys (None: plaintext)."""
+        if self._transport is None:
+            raise ConnectionError("not connected")
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(loop=loop)
+        app = asyncio.StreamReaderProtocol(reader, loop=loop)
+        transport = self._transport if seal is None else _SealedTransport(self._transport, seal)
+        app.connection_made(transport)
+        if self._writing_paused:
+            app.pause_writing()
+        writer = asyncio.StreamWriter(transport, app, reader, loop)
+        self._app, self._open = app, unseal
+        if self._raw:
+            if unseal is None:
+                app.data_received(bytes(self._raw))
+                self._raw.clear()
+            else:
+                self._unseal()
+        self._transport.resume_reading()
+        if self._ended:
+            if self._transport.is_closing():
+                app.connection_lost(self._lost)  # type: ignore[arg-type]
+            else:
+                app.eof_received()
+        return reader, writer
+
+    # ---- records ----------------------------------------------------------------------------------------
+
+    def _unseal(self) -> None:
+        """Open every whole record received and pass its plaintext on; end the connection on a bad one."""
+        raw, start, error = self._raw, 0, None
+        app, unseal = self._app, self._open
+        if app is None or unseal is None:
+            return
+        with memoryview(raw) as view:
+            while len(raw) - start >= _LENGTH_BYTES:
+                length = bytes(view[start : start + _LENGTH_BYTES])
+                size = int.from_bytes(length, "little")
+                if size > MAX_RECORD:
+                    error = f"a record of {size} bytes (at most {MAX_RECORD})"
+                    break
+                end = start + _LENGTH_BYTES + size + TAG_BYTES
+                if len(raw) < end:
+                    break
+                try:
+                    plain = unseal.decrypt(_nonce(self._received), view[start + _LENGTH_BYTES : end], length)
+                except InvalidTag:
+                    error = "a record that does not authenticate"
+                    break
+                self._received += 1
+                start = end
+                app.data_received(plain)
+        if error is not None:
+            self._fail(error)
+            return
+        del raw[:start]
+
+    def _fail(self, what: str) -> None:
+        logger.warning("closing a direct connection from %s: %s", self.peername, what)
+        self._lost = ConnectionError(f"bad record: {what}")
+        self._raw.clear()
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _wake(self, error: BaseException) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(error)
