@@ -49,11 +49,46 @@ def paired_ratio(runs: list[dict[str, Any]], reference: dict[int, float]) -> flo
 
 
 def losses_by_seed(runs: list[dict[str, Any]], shape: SwarmShape, checkfree_plus: bool) -> dict[int, float]:
-    return {
-        r["seed"]: r["val_at_steps"]
-        for r in runs
-        if r["ok"] and r["config"] == shape.name and r["checkfree_plus"] == checkfree_plus
-    }
+    """Per seed, the loss of the completed runs of this shape and setting (the mean over repeats)."""
+    by_seed: dict[int, list[float]] = defaultdict(list)
+    for r in runs:
+        if r["ok"] and r["config"] == shape.name and r["checkfree_plus"] == checkfree_plus:
+            by_seed[r["seed"]].append(r["val_at_steps"])
+    return {seed: statistics.fmean(losses) for seed, losses in by_seed.items()}
+
+
+def repeatability(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configuration, setting and seed run more than once: the losses and their range over the mean."""
+    groups: dict[tuple[str, bool, int], list[float]] = defaultdict(list)
+    for r in runs:
+        if r["ok"]:
+            groups[(r["config"], r["checkfree_plus"], r["seed"])].append(r["val_at_steps"])
+    return [
+        {
+            "config": config,
+            "checkfree_plus": checkfree_plus,
+            "seed": seed,
+            "losses": losses,
+            "range_over_mean": (max(losses) - min(losses)) / statistics.fmean(losses),
+        }
+        for (config, checkfree_plus, seed), losses in groups.items()
+        if len(losses) > 1
+    ]
+
+
+def repeatability_table(rows: list[dict[str, Any]]) -> str:
+    header = ["config", "CF+", "seed", "validation losses", "range / mean"]
+    lines = [
+        [
+            r["config"],
+            label(r["checkfree_plus"]),
+            str(r["seed"]),
+            ", ".join(f"{loss:.3f}" for loss in r["losses"]),
+            f"{r['range_over_mean']:.1%}",
+        ]
+        for r in rows
+    ]
+    return markdown(header, lines)
 
 
 def paired_share(runs: list[dict[str, Any]], shape: SwarmShape) -> dict[str, int] | None:

@@ -33,6 +33,7 @@ validation loss at step N) are counted as such and left out of the figures; thei
     python benchmarks/swarm_quality.py --configs 1x1,2x2 --seeds 0 --checkfree-plus on --steps 50 \\
         --json out.json --plot quality.png --markdown quality.md
     python benchmarks/swarm_quality.py --swarm-runs out.json --markdown quality.md   # re-tabulate only
+    python benchmarks/swarm_quality.py --configs 2x1 --seeds 0 --checkfree-plus on --repeats 3   # spread
 
 How long it takes, on two cores: each swarm run of 100 steps takes about 80-100 s, so the default matrix
 (5 configurations x 2 CheckFree+ settings x 3 seeds = 30 runs) takes about 45-50 minutes; the trainer's
@@ -65,6 +66,8 @@ from quality_summary import (  # benchmarks/, next to this script
     on_off,
     on_off_table,
     plot,
+    repeatability,
+    repeatability_table,
     summarise,
     summary_table,
 )
@@ -140,10 +143,16 @@ def read_report(path: Path) -> dict[str, Any] | None:
 
 
 def swarm_run(
-    shape: SwarmShape, seed: int, checkfree_plus: bool, args: argparse.Namespace, stages: int, base: Path
+    shape: SwarmShape,
+    seed: int,
+    checkfree_plus: bool,
+    repeat: int,
+    args: argparse.Namespace,
+    stages: int,
+    base: Path,
 ) -> dict[str, Any]:
     """One calm local swarm; the figures of its report (or why there are none)."""
-    out = base / f"{shape.name}-cfp-{label(checkfree_plus)}-seed{seed}"
+    out = base / f"{shape.name}-cfp-{label(checkfree_plus)}-seed{seed}" + (f"-run{repeat}" if repeat else "")
     log = base / f"{out.name}.log"
     command = [
         sys.executable,
@@ -188,6 +197,7 @@ def swarm_run(
         "data_nodes": shape.data_nodes,
         "replicas": shape.replicas,
         "seed": seed,
+        "repeat": repeat,
         "checkfree_plus": checkfree_plus,
         "outcome": outcome,
         "returncode": returncode,
@@ -204,17 +214,21 @@ def swarm_run(
     }
 
 
-def run_swarms(plan: list[tuple[SwarmShape, bool, int]], args: argparse.Namespace) -> list[dict[str, Any]]:
+Plan = list[tuple[SwarmShape, bool, int, int]]  # shape, CheckFree+, seed, repeat
+
+
+def run_swarms(plan: Plan, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every planned swarm, one after the other."""
     base = args.out_dir if args.out_dir is not None else Path(mkdtemp(prefix="swarm-quality-"))
     base.mkdir(parents=True, exist_ok=True)
     runs = []
-    for n, (shape, checkfree_plus, seed) in enumerate(plan, 1):
-        run = swarm_run(shape, seed, checkfree_plus, args, args.n_stages, base)
+    for n, (shape, checkfree_plus, seed, repeat) in enumerate(plan, 1):
+        run = swarm_run(shape, seed, checkfree_plus, repeat, args, args.n_stages, base)
         runs.append(run)
         val = "-" if run["val_at_steps"] is None else f"{run['val_at_steps']:.3f}"
         print(
-            f"# run {n}/{len(plan)}: {shape.name} CheckFree+ {label(checkfree_plus)} seed {seed}: "
+            f"# run {n}/{len(plan)}: {shape.name} CheckFree+ {label(checkfree_plus)} seed {seed} "
+            f"(repeat {repeat}): "
             f"{run['outcome']}, validation {val}, {run['process_seconds']:.0f} s",
             file=sys.stderr,
             flush=True,
@@ -226,20 +240,20 @@ def run_swarms(plan: list[tuple[SwarmShape, bool, int]], args: argparse.Namespac
     return runs
 
 
-def earlier_runs(path: Path, plan: list[tuple[SwarmShape, bool, int]]) -> list[dict[str, Any]]:
+def earlier_runs(path: Path, plan: Plan) -> list[dict[str, Any]]:
     """The planned runs out of an earlier `--json` file; SystemExit naming the first one it lacks."""
     try:
         stored = json.loads(path.read_text())["runs"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise SystemExit(f"--swarm-runs {path}: no runs to read ({error})") from None
-    by_key = {(run["config"], run["checkfree_plus"], run["seed"]): run for run in stored}
+    by_key = {(r["config"], r["checkfree_plus"], r["seed"], r.get("repeat", 0)): r for r in stored}
     runs = []
-    for shape, checkfree_plus, seed in plan:
-        run = by_key.get((shape.name, checkfree_plus, seed))
+    for shape, checkfree_plus, seed, repeat in plan:
+        run = by_key.get((shape.name, checkfree_plus, seed, repeat))
         if run is None:
             raise SystemExit(
                 f"--swarm-runs {path} has no run of {shape.name}, CheckFree+ "
-                f"{label(checkfree_plus)}, seed {seed}"
+                f"{label(checkfree_plus)}, seed {seed}, repeat {repeat}"
             )
         runs.append(run)
     return runs
@@ -253,6 +267,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stages", type=int, default=None, help="transformer stages (default: the preset's)")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--checkfree-plus", choices=("on", "off", "both"), default="both")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of each configuration and seed (the spread of one seed)"
+    )
     parser.add_argument(
         "--out-dir",
         type=Path,
@@ -280,6 +297,8 @@ def parse_args() -> argparse.Namespace:
         stage_layers(preset.model, 1, args.n_stages)  # raises unless the layers split evenly
     except ValueError as error:
         parser.error(str(error))
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.steps < EVAL_EVERY or args.steps % EVAL_EVERY:
         parser.error(
             f"--steps must be a positive multiple of {EVAL_EVERY}, the data nodes' evaluation period"
@@ -311,7 +330,13 @@ def main() -> None:
                 flush=True,
             )
 
-    plan = [(shape, cfp, seed) for cfp in args.settings for shape in shapes for seed in seeds]
+    plan = [
+        (shape, cfp, seed, repeat)
+        for cfp in args.settings
+        for shape in shapes
+        for seed in seeds
+        for repeat in range(args.repeats)
+    ]
     runs = run_swarms(plan, args) if args.swarm_runs is None else earlier_runs(args.swarm_runs, plan)
 
     rows = summarise(runs, shapes, args.settings, seeds, trainer, steps)
@@ -323,6 +348,10 @@ def main() -> None:
     cfp_rows = on_off(runs, shapes) if len(args.settings) == 2 else []
     if cfp_rows:
         tables.append(f"CheckFree+ on over off, validation loss at step {steps}\n\n{on_off_table(cfp_rows)}")
+    repeat_rows = repeatability(runs)
+    if repeat_rows:
+        table = repeatability_table(repeat_rows)
+        tables.append(f"Runs of one seed, validation loss at step {steps}\n\n{table}")
     print("\n\n".join(tables))
     if args.markdown is not None:
         args.markdown.write_text("\n\n".join(tables) + "\n")
@@ -346,6 +375,7 @@ def main() -> None:
             "runs": runs,
             "summary": rows,
             "checkfree_plus_on_over_off": cfp_rows,
+            "repeatability": repeat_rows,
         }
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -241,6 +241,20 @@ class OuterStep(EventRecord):
 
 
 @dataclass(frozen=True)
+class OuterApplied(EventRecord):
+    """A node of `stage` applied outer step `outer_step`'s update right after the step that took its clock to
+    `clock`; `due` is the clock it was due at (the copy's clock plus one), null when its exchange ran late
+    and it was applied when it ended."""
+
+    KIND: ClassVar[str] = "outer_applied"
+    stage: int
+    outer_step: int
+    clock: int
+    time: float
+    due: int | None = None
+
+
+@dataclass(frozen=True)
 class Exported(EventRecord):
     """`swarmnode export` wrote a model folder at `path` (each stage's step in `steps`)."""
 
@@ -271,6 +285,7 @@ KINDS: dict[str, type[EventRecord]] = {
         Moving,
         Finished,
         OuterStep,
+        OuterApplied,
         Exported,
     )
 }

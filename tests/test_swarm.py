@@ -174,6 +174,14 @@ def test_two_replicas_share_work_and_pair_with_noloco(swarm: LocalTestSwarm) -> 
     assert common, paired
     assert partners == {peer_id(rep_a): {peer_id(rep_b)}, peer_id(rep_b): {peer_id(rep_a)}}
 
+    # ... and applied each update at a fixed point of the schedule: the first step at or after the clock
+    # one past the one it started at (4k + 1, or later for a replica the plan gave no microbatch in a tick),
+    # having waited for the exchange there (`due` is null for one applied late; tests/test_outer_settle.py)
+    for peer, node in replicas.items():
+        applied = [(e["outer_step"], e["clock"], e["due"]) for e in node.events("outer_applied")]
+        assert applied and all(4 * k + 1 <= due <= clock for k, clock, due in applied if due is not None)
+        assert any(due is not None for _, _, due in applied), (peer, applied)
+
     # ... and each exchange brought their weights closer. At outer step k a replica enters the exchange with
     # its weights after its step 4k (theta) and resumes from the new slow weights (phi, plus the inner steps
     # it took meanwhile). The observer reads both replicas' theta after their steps and phi after each outer

@@ -1,16 +1,19 @@
 """NoLoCo in the daemon: every H inner steps, average with one random replica of the same stage.
 
-The pairing and the math are `protocols.noloco`; this module moves the tensors. The exchange never blocks
-training: at the outer-step boundary the node copies its weights (theta) and keeps training while it
-exchanges; the result is applied at the next optimizer step as `theta = phi_new + (theta_now - theta_copy)`,
-so the inner steps taken during the exchange are kept. A declined, failed, partial or timed-out exchange
-ends in the lone-replica step.
+The pairing and the math are `protocols.noloco`; this module moves the tensors. At the boundary of outer
+step k (the swarm clock at kH) the node copies its weights (theta) and keeps training while it exchanges;
+the result is applied right after the step that moves the clock `APPLY_LAG` ticks past the copy, as
+`theta = phi_new + (theta_now - theta_copy)`, so the inner step taken during the exchange is kept. That step
+waits for the exchange (at most `SETTLE_WAIT_S`): applied whenever the exchange happened to end, the update
+landed before one tick's step or another's as the timing fell, and runs of one seed parted there. A
+declined, failed, partial or timed-out exchange ends in the lone-replica step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,12 +43,16 @@ from swarmnode.transport import Transport, TransportError
 
 logger = logging.getLogger(__name__)
 
+APPLY_LAG = 1  # an outer step copied at clock c is applied after the step that takes the clock to c + 1
+SETTLE_WAIT_S = 5.0  # how long that step waits for a late exchange before going on without it
+
 
 @dataclass
 class _Pending:
     outer_step: int
     result: OuterResult
     theta_copy: TensorMap
+    apply_at: int | None  # the clock whose step applies it; None: the first step or idle moment
 
 
 class OuterLoop:
@@ -84,29 +91,30 @@ class OuterLoop:
         self._pending: _Pending | None = None
         self._running = False
         self._last_round = 0
+        self._apply_at: int | None = None  # the clock whose step applies the running round's result
+        self._ended = threading.Condition()  # notified when a round ends (the compute thread may wait)
+        self._last_ended = 0
+        self._copied = 0  # the last round whose theta copy is taken (before that, no step may wait for it)
 
     def take_due(self, step: int) -> int | None:
         """The outer step due at clock `step`, or None (none due, or one still runs). A step returned is
-        taken at once, before its `run` starts, so that concurrent callers never start it twice."""
-        outer = None if self._running else self.config.due(step, self._last_round)
-        if outer is not None:
-            self._running, self._last_round = True, outer
+        taken at once, before its `run` starts, so that concurrent callers never start it twice; its
+        result is applied by the step that reaches clock `step + APPLY_LAG` (`settle`)."""
+        with self._ended:
+            outer = None if self._running else self.config.due(step, self._last_round)
+            if outer is not None:
+                self._running, self._last_round = True, outer
+                self._apply_at = step + APPLY_LAG
         return outer
 
     def resume_at(self, outer_step: int) -> None:
         """This node took over a replica's state at `outer_step`: the outer steps up to it are done."""
         self.outer_step = self._last_round = outer_step
 
-    @property
-    def has_pending(self) -> bool:
-        """An outer update is computed and waits for `apply_pending`."""
-        return self._pending is not None
-
     async def run(self, outer: int, replicas: list[str], clock: Callable[[], float]) -> None:
-        """Outer step `outer` (from `take_due`): pair, exchange, compute the update (applied later by
-        `apply_pending`)."""
+        """Outer step `outer` (from `take_due`): pair, exchange, compute the update (applied by `settle`)."""
         try:
-            self._theta_copy = await self.compute.submit(Priority.STEP, self._copy_theta)
+            self._theta_copy = await self.compute.submit(Priority.STEP, lambda: self._copy_theta(outer))
             self._delivered.clear()
             rnd = PairingRound(
                 outer_step=outer,
@@ -138,7 +146,8 @@ class OuterLoop:
                     outcome.partner_thetas,
                 ),
             )
-            self._pending = _Pending(outer, result, theta_copy)
+            with self._ended:
+                self._pending = _Pending(outer, result, theta_copy, self._apply_at)
             emit(
                 "outer_step",
                 stage=self.stage,
@@ -151,6 +160,9 @@ class OuterLoop:
         finally:
             self._round = None
             self._running = False
+            with self._ended:
+                self._last_ended = outer
+                self._ended.notify_all()
 
     async def _initiate(self, rnd: PairingRound, clock: Callable[[], float]) -> None:
         names = list(self.phi)
@@ -245,9 +257,41 @@ class OuterLoop:
             manifest({n: self._theta_copy[n] for n in names}),
         ), [self.phi[n] for n in names] + [self._theta_copy[n] for n in names]
 
-    def apply_pending(self) -> bool:
-        """On the compute thread, nothing held: load the computed outer update. True if one was applied."""
-        pending, self._pending = self._pending, None
+    def settle(self, clock: int) -> bool:
+        """On the compute thread, right after a step that took the clock to `clock`: once the clock has
+        reached the round's `APPLY_LAG`, wait for its exchange (at most `SETTLE_WAIT_S`) and apply it, so
+        the update lands after the same step in every run. An exchange later than that is applied by the
+        first step (or idle moment) after it ends. True if an update was applied."""
+        with self._ended:
+            pending = self._pending
+            if pending is not None:
+                if pending.apply_at is not None and clock < pending.apply_at:
+                    return False
+            else:
+                if not self._running or self._apply_at is None or clock < self._apply_at:
+                    return False
+                outer = self._last_round
+                if self._copied < outer:  # its copy waits for this thread: the round cannot end meanwhile
+                    self._apply_at = None
+                    return False
+                if not self._ended.wait_for(lambda: self._last_ended >= outer, SETTLE_WAIT_S):
+                    logger.warning("outer step %d late (%.0f s): applied later", outer, SETTLE_WAIT_S)
+                    self._apply_at = None
+                    return False
+        return self.apply_pending(clock)
+
+    def idle_apply_due(self, clock: int) -> bool:
+        """Whether a replica that is not stepping should apply the computed update now: the clock has
+        passed the step that would have applied it (a replica with work applies it in `settle`)."""
+        with self._ended:
+            pending = self._pending
+            return pending is not None and (pending.apply_at is None or clock > pending.apply_at)
+
+    def apply_pending(self, clock: int) -> bool:
+        """On the compute thread, nothing held, the clock at `clock`: load the computed outer update. True if
+        one was applied."""
+        with self._ended:
+            pending, self._pending = self._pending, None
         if pending is None:
             return False
         with torch.no_grad():
@@ -257,10 +301,16 @@ class OuterLoop:
         self.phi = {name: t.clone() for name, t in pending.result.phi.items()}
         self.delta = dict(pending.result.delta)
         self.outer_step = pending.outer_step
+        outer, due = pending.outer_step, pending.apply_at
+        emit("outer_applied", stage=self.stage, outer_step=outer, clock=clock, due=due)
         return True
 
-    def _copy_theta(self) -> TensorMap:
-        return weights(self.module)
+    def _copy_theta(self, outer: int) -> TensorMap:
+        """On the compute thread: theta for outer step `outer` (a step that waits for it may come next)."""
+        copy = weights(self.module)
+        with self._ended:
+            self._copied = outer
+        return copy
 
 
 def _split(manifest: tuple[TensorSpec, ...], tensors: list[Tensor]) -> tuple[TensorMap, TensorMap]:

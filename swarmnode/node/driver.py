@@ -174,7 +174,7 @@ class DataNode(Node):
 
     def _step(self, completed: int, planned: int, tick: int) -> float:
         norm = self.worker.step(planned / completed, tick)  # losses were weighted 1/planned: rescale
-        self.outer.apply_pending()
+        self.outer.settle(self.optimizer.step_count)
         return norm
 
     async def evaluate(self) -> float | None:

@@ -238,9 +238,10 @@ class StageNode(Node):
             self.microbatches_lost += dropped
         decision = self.book.ready(self.worker.in_flight, now)
         if decision is None:
-            if self.outer.has_pending and not self.worker.in_flight and not self.book.open_groups:
+            idle, clock = not self.worker.in_flight and not self.book.open_groups, self.optimizer.step_count
+            if idle and self.outer.idle_apply_due(clock):
                 # a replica that gets no microbatch for a while still takes its outer steps
-                await self.compute.submit(Priority.STEP, self.outer.apply_pending)
+                await self.compute.submit(Priority.STEP, lambda: self.outer.apply_pending(clock))
             return False
         keep = self.book.groups
         norms = await self.compute.submit(Priority.STEP, lambda: self._step(decision.updates, keep))
@@ -256,8 +257,8 @@ class StageNode(Node):
 
     def _step(self, updates: tuple[Group, ...], keep: set[Group]) -> list[float]:
         """On the compute thread, in one job (no forward may run between the updates): one update per group,
-        then drop the gradients of groups closed without one, then a pending outer update."""
+        then drop the gradients of groups closed without one, then the outer update this tick brings."""
         norms = [norm for group in updates if (norm := self.worker.step_group(group)) is not None]
         self.worker.discard_gradients_except(keep)
-        self.outer.apply_pending()
+        self.outer.settle(self.optimizer.step_count)
         return norms
