@@ -49,7 +49,8 @@ from swarmnode.node.serving import STATE_SECONDS
 from swarmnode.pieces import DataPiece, build_piece
 from swarmnode.presets import get_preset
 from swarmnode.runspec import RunSpec
-from swarmnode.tokenizer import cached_tokenizer, load_tokenizer
+from swarmnode.tokenizer import cached_tokenizer, file_digest, load_tokenizer
+from swarmnode.tokenizer_fetch import obtain_tokenizer
 from swarmnode.trainer import evaluate
 from swarmnode.transport import Transport, TransportError
 
@@ -77,8 +78,8 @@ def model_config(spec: RunSpec) -> ModelConfig:
 
 
 def run_tokenizer(spec: RunSpec) -> Path:
-    """The tokenizer the run's data nodes use by default: trained on the run's data (and cached), the same
-    file on every machine with the same data."""
+    """The tokenizer the data nodes of a run that names none by digest use: trained on the run's data (and
+    cached), the same file on every machine with the same data."""
     source = default_source() if spec.data is None else user_source(Path(spec.data))
     return cached_tokenizer(source, spec.vocab_size, cache_dir())
 
@@ -246,12 +247,18 @@ async def export_command(
 
     async def body(exporter: Exporter) -> None:
         spec = exporter.spec
+        if tokenizer is not None and spec.tokenizer_digest not in (None, file_digest(tokenizer)):
+            raise ExportError(
+                f"the tokenizer {tokenizer} (digest {file_digest(tokenizer)}) is not the run's "
+                f"(digest {spec.tokenizer_digest})"
+            )
+        # the run's own file: cached here, or fetched from its owners or data nodes (None: a run definition
+        # from before digests, whose data nodes train the default tokenizer)
+        run_file = await obtain_tokenizer(spec, tokenizer, exporter.dht, cache_dir())
         corpus = (
-            await asyncio.to_thread(load_corpus, spec.data, tokenizer, spec.vocab_size) if evaluate else None
+            await asyncio.to_thread(load_corpus, spec.data, run_file, spec.vocab_size) if evaluate else None
         )
-        path = tokenizer or (
-            corpus.tokenizer_path if corpus else await asyncio.to_thread(run_tokenizer, spec)
-        )
+        path = run_file or (corpus.tokenizer_path if corpus else await asyncio.to_thread(run_tokenizer, spec))
         vocab = load_tokenizer(path).get_vocab_size()
         if vocab != spec.vocab_size:
             raise ExportError(f"the tokenizer {path} has {vocab} tokens, the run's model {spec.vocab_size}")
