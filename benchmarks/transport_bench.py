@@ -15,7 +15,9 @@ Candidates, all between two OS processes on loopback (each with its own p2pd whe
 Each runs with the tensor as float32 and as float16 on the wire (hivemind's FLOAT16); MiB/s counts the fp32
 size; CPU is that of both processes and both p2pd together. Run `python benchmarks/transport_bench.py`
 (about a minute; `--quick`: a few seconds; `--json FILE`: also write every cell as a row, with the machine's
-load). The machine is noisy: expect 30% differences between runs.
+load). Each cell's pushes are taken in ten short blocks, in turn with the other options of its column, so
+that the ratios against plain TCP compare like with like; the machine is noisy all the same: expect 30%
+differences between runs.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from swarmnode.transport._framing import encode_request, encode_response, read_f
 
 SIZES = (16, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
 UNARY_CAP = 4 << 20
+ROUNDS = 10  # blocks per option and cell, taken in turn with the other options'
 HOST = ["/ip4/127.0.0.1/tcp/0"]
 OPTIONS = (
     "hivemind unary",
@@ -167,15 +170,41 @@ def _tree_cpu_seconds() -> float:
     return sum(stats[pid][1] for pid in tree if pid in stats) / os.sysconf("SC_CLK_TCK")
 
 
-async def _measure(push: Push, tensor: torch.Tensor, compression: Compression, budget: float) -> Cell:
-    await push(tensor, compression)  # warm up: open streams, fault in buffers
-    times: list[float] = []
-    cpu_start, deadline = _tree_cpu_seconds(), time.perf_counter() + budget
-    while len(times) < 3 or time.perf_counter() < deadline:
+@dataclass
+class _Samples:
+    times: list[float] = dataclasses.field(default_factory=list)  # wall seconds of each push
+    cpu_seconds: float = 0.0  # CPU of the blocks those pushes ran in, both processes and both p2pd
+
+
+async def _measure(
+    push: Push, tensor: torch.Tensor, compression: Compression, budget: float, samples: _Samples
+) -> None:
+    """Push for `budget` seconds (at least 3 times) into `samples`."""
+    cpu_start, deadline, count = _tree_cpu_seconds(), time.perf_counter() + budget, 0
+    while count < 3 or time.perf_counter() < deadline:
         start = time.perf_counter()
         await push(tensor, compression)
-        times.append(time.perf_counter() - start)
-    return Cell(statistics.median(times), (_tree_cpu_seconds() - cpu_start) / len(times))
+        samples.times.append(time.perf_counter() - start)
+        count += 1
+    samples.cpu_seconds += _tree_cpu_seconds() - cpu_start
+
+
+async def _measure_side_by_side(
+    pushes: dict[str, Push], tensor: torch.Tensor, compression: Compression, budget: float
+) -> dict[str, Cell]:
+    """Each option's cell, measured in ROUNDS short blocks taken in turn (the order rotating each round), so
+    that a change in the machine's load reaches every option alike."""
+    for push in pushes.values():
+        await push(tensor, compression)  # warm up: open streams, fault in buffers
+    samples = {option: _Samples() for option in pushes}
+    options = list(pushes)
+    for turn in range(ROUNDS):
+        for option in options[turn % len(options) :] + options[: turn % len(options)]:
+            await _measure(pushes[option], tensor, compression, budget / ROUNDS, samples[option])
+    return {
+        option: Cell(statistics.median(s.times), s.cpu_seconds / len(s.times))
+        for option, s in samples.items()
+    }
 
 
 async def _client(maddrs: list[str], port: int, sizes: tuple[int, ...], budget: float) -> Results:
@@ -224,11 +253,14 @@ async def _client(maddrs: list[str], port: int, sizes: tuple[int, ...], budget: 
             tensor = torch.randn(size // 4)
             for compression in Compression:
                 wire_bytes = size // 2 if compression is Compression.FLOAT16 else size
-                for option, push in pushes.items():
-                    over_cap = option == "hivemind unary" and wire_bytes >= UNARY_CAP
-                    results[option, compression, size] = (
-                        None if over_cap else await _measure(push, tensor, compression, budget)
-                    )
+                measured = {
+                    option: push
+                    for option, push in pushes.items()
+                    if not (option == "hivemind unary" and wire_bytes >= UNARY_CAP)
+                }
+                cells = await _measure_side_by_side(measured, tensor, compression, budget)
+                for option in pushes:
+                    results[option, compression, size] = cells.get(option)
     finally:
         writer.close()
         for transport in (persistent, per_call, direct, encrypted):
@@ -329,6 +361,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three sizes, briefly (a smoke run)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows and the load here")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=None, help="fp32 bytes per push (default: all)"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds per cell (default 0.6, quick 0.1)"
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     torch.set_num_threads(1)  # conversions on the event loop thread; no intra-op thread pool spinning
@@ -339,6 +377,7 @@ def main() -> None:
     try:
         maddrs, port = ours.recv()
         sizes, budget = (SIZES[:3], 0.1) if args.quick else (SIZES, 0.6)
+        sizes, budget = tuple(args.sizes or sizes), args.budget or budget
         results = uvloop.run(_client(maddrs, port, sizes, budget))
     finally:
         ours.send("stop")

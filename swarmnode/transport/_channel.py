@@ -26,10 +26,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 logger = logging.getLogger(__name__)
 
-MAX_RECORD = 1 << 20  # plaintext bytes per record: one write_frame chunk
+MAX_RECORD = 1 << 16  # plaintext bytes per record: small enough that sealing, sending and opening overlap
 TAG_BYTES = 16
 _LENGTH_BYTES = 4
-_MAX_RAW = 2 * (MAX_RECORD + TAG_BYTES + _LENGTH_BYTES)  # received bytes buffered before reading pauses
+_RECORD_BYTES = MAX_RECORD + TAG_BYTES + _LENGTH_BYTES  # the most one record takes on the wire
+_CAPACITY = 4 * _RECORD_BYTES  # the receive buffer: several whole records
 _MAX_COUNTER = 1 << 64
 
 
@@ -95,50 +96,64 @@ class _SealedTransport(asyncio.Transport):
         return self._inner.is_reading()
 
 
-class Channel(asyncio.Protocol):
+class Channel(asyncio.BufferedProtocol):
     """One direct TCP connection. `on_open(channel)` runs once the connection is made (the listener starts
-    its handshake there)."""
+    its handshake there). Bytes are received straight into one buffer kept per connection (no bytes object
+    per read), where the records are opened from."""
 
     def __init__(self, on_open: Callable[[Channel], None] | None = None) -> None:
         self._on_open = on_open
         self._transport: asyncio.Transport | None = None
-        self._raw = bytearray()  # received, not yet read by the handshake or opened
+        self._buffer = bytearray(_CAPACITY)
+        self._start = self._end = 0  # what is received and not yet read or opened: buffer[start:end]
         self._waiter: asyncio.Future[None] | None = None  # the handshake's read, while bytes are missing
         self._app: asyncio.StreamReaderProtocol | None = None
         self._open: AESGCM | None = None
         self._received = 0  # records opened
+        self._plain = bytearray()  # where each record opens (MAX_RECORD bytes once sealed)
         self._lost: BaseException | None = None
         self._ended = False  # the connection is lost (or the peer sent EOF)
         self._writing_paused = False  # the TCP transport's write buffer is over its high mark
+        self._reading_paused = False  # by this protocol: its buffer is full before the handshake ended
 
     @property
     def peername(self) -> object:
         return None if self._transport is None else self._transport.get_extra_info("peername")
 
-    # ---- asyncio.Protocol -------------------------------------------------------------------------------
+    # ---- asyncio.BufferedProtocol -----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # always a TCP transport here
         if self._on_open is not None:
             self._on_open(self)
 
-    def data_received(self, data: bytes) -> None:
-        if self._app is not None and self._open is None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._start > 0 and (self._start == self._end or _CAPACITY - self._end < _RECORD_BYTES):
+            held = self._end - self._start  # less than a record: move it to the front
+            self._buffer[:held] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, held
+        return memoryview(self._buffer)[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._app is not None and self._open is None:  # plaintext: pass it on
+            data = bytes(self._buffer[self._end : self._end + nbytes])
             self._app.data_received(data)
             return
-        self._raw += data
+        self._end += nbytes
         if self._app is not None:
             self._unseal()
-        elif self._waiter is not None and not self._waiter.done():
+            return
+        if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
-        if self._transport is not None and len(self._raw) > _MAX_RAW:
-            self._transport.pause_reading()  # until the handshake reads or the app opens what came
+        if self._end == _CAPACITY and self._start == 0 and self._transport is not None:
+            self._reading_paused = True  # full before the handshake read it: until it does
+            self._transport.pause_reading()
 
     def eof_received(self) -> bool | None:
         self._ended = True
         if self._app is not None:
             return self._app.eof_received()
-        self._wake(asyncio.IncompleteReadError(bytes(self._raw), None))
+        self._wake(asyncio.IncompleteReadError(bytes(self._held()), None))
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -162,18 +177,17 @@ class Channel(asyncio.Protocol):
 
     async def read_raw(self, n: int) -> bytes:
         """Exactly `n` bytes; IncompleteReadError or ConnectionError if the connection ends first."""
-        while len(self._raw) < n:
+        while self._end - self._start < n:
             if self._ended:
-                raise asyncio.IncompleteReadError(bytes(self._raw), n)
+                raise asyncio.IncompleteReadError(bytes(self._held()), n)
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        data = bytes(self._raw[:n])
-        del self._raw[:n]
-        if self._transport is not None and len(self._raw) <= _MAX_RAW:
-            self._transport.resume_reading()
+        data = bytes(self._buffer[self._start : self._start + n])
+        self._start += n
+        self._resume()
         return data
 
     def write_raw(self, data: bytes) -> None:
@@ -199,13 +213,14 @@ class Channel(asyncio.Protocol):
             app.pause_writing()
         writer = asyncio.StreamWriter(transport, app, reader, loop)
         self._app, self._open = app, unseal
-        if self._raw:
-            if unseal is None:
-                app.data_received(bytes(self._raw))
-                self._raw.clear()
-            else:
-                self._unseal()
-        self._transport.resume_reading()
+        if unseal is None:
+            if self._end > self._start:
+                app.data_received(bytes(self._held()))
+            self._start = self._end = 0
+        else:
+            self._plain = bytearray(MAX_RECORD)
+            self._unseal()
+        self._resume()
         if self._ended:
             if self._transport.is_closing():
                 app.connection_lost(self._lost)  # type: ignore[arg-type]
@@ -215,39 +230,48 @@ class Channel(asyncio.Protocol):
 
     # ---- records ----------------------------------------------------------------------------------------
 
+    def _held(self) -> memoryview:
+        return memoryview(self._buffer)[self._start : self._end]
+
+    def _resume(self) -> None:
+        if self._reading_paused and self._transport is not None:
+            self._reading_paused = False
+            self._transport.resume_reading()
+
     def _unseal(self) -> None:
         """Open every whole record received and pass its plaintext on; end the connection on a bad one."""
-        raw, start, error = self._raw, 0, None
-        app, unseal = self._app, self._open
+        app, unseal, error = self._app, self._open, None
         if app is None or unseal is None:
             return
-        with memoryview(raw) as view:
-            while len(raw) - start >= _LENGTH_BYTES:
+        with memoryview(self._buffer) as view:
+            while self._end - self._start >= _LENGTH_BYTES:
+                start = self._start
                 length = bytes(view[start : start + _LENGTH_BYTES])
                 size = int.from_bytes(length, "little")
                 if size > MAX_RECORD:
                     error = f"a record of {size} bytes (at most {MAX_RECORD})"
                     break
                 end = start + _LENGTH_BYTES + size + TAG_BYTES
-                if len(raw) < end:
+                if self._end < end:
                     break
-                try:
-                    plain = unseal.decrypt(_nonce(self._received), view[start + _LENGTH_BYTES : end], length)
-                except InvalidTag:
-                    error = "a record that does not authenticate"
-                    break
-                self._received += 1
-                start = end
-                app.data_received(plain)
+                with memoryview(self._plain)[:size] as plain:
+                    try:  # into a buffer kept for the purpose: no fresh memory to fault in per record
+                        unseal.decrypt_into(
+                            _nonce(self._received), view[start + _LENGTH_BYTES : end], length, plain
+                        )
+                    except InvalidTag:
+                        error = "a record that does not authenticate"
+                        break
+                    self._received += 1
+                    self._start = end
+                    app.data_received(plain)  # a StreamReader copies what it is given
         if error is not None:
             self._fail(error)
-            return
-        del raw[:start]
 
     def _fail(self, what: str) -> None:
         logger.warning("closing a direct connection from %s: %s", self.peername, what)
         self._lost = ConnectionError(f"bad record: {what}")
-        self._raw.clear()
+        self._start = self._end = 0
         if self._transport is not None:
             self._transport.abort()
 
