@@ -3,6 +3,7 @@ preset, scalable, and every command line parses with the real `swarmnode` CLI.""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,17 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = "/swarm/peers.txt"
 
 
-@pytest.fixture(scope="module")
-def compose() -> dict[str, Any]:
-    """The configuration as docker-compose resolves it (anchors merged, values normalised)."""
+def resolved(*files: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The configuration of `files` as docker-compose resolves it (anchors merged, overrides applied,
+    variables substituted, values normalised)."""
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose is not installed (Debian: apt-get install -y docker-compose)")
-    run = subprocess.run(
-        [binary, "-f", "docker-compose.yml", "config"], cwd=ROOT, capture_output=True, text=True
-    )
+    argv = [binary, *(a for f in files for a in ("-f", f)), "config"]
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     assert run.returncode == 0, run.stderr
     return yaml.safe_load(run.stdout)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return resolved("docker-compose.yml")
 
 
 def parse(command: list[str]) -> click.Context:
@@ -78,12 +83,29 @@ def test_stage_services_join_through_the_peers_file(compose: dict[str, Any]) -> 
         assert service["restart"] == "on-failure", name
 
 
-def test_dockerfile_installs_the_project_with_cpu_torch() -> None:
-    dockerfile = (ROOT / "bootstrap" / "Dockerfile").read_text()
-    assert "FROM python:3.11-slim" in dockerfile.splitlines()
-    install = "pip install -c constraints/cpu.txt --extra-index-url https://download.pytorch.org/whl/cpu ."
-    assert install in dockerfile
+def test_loopback_override_keeps_every_service_on_loopback() -> None:
+    """tests/compose/loopback.yml (the integration test's): the host's network, every daemon listening on
+    127.0.0.1, the image and the run's steps from the environment; the rest as docker-compose.yml has it."""
+    env = {"SWARMNODE_IMAGE": "swarmnode:test-x", "SWARMNODE_STEPS": "7"}
+    merged = resolved("docker-compose.yml", "tests/compose/loopback.yml", env=env)
+    assert set(merged["services"]) == set(resolved("docker-compose.yml")["services"])
+    for name, service in merged["services"].items():
+        assert service["network_mode"] == "host" and service["image"] == "swarmnode:test-x", name
+        params = parse(service["command"]).params
+        assert params["host"] == "127.0.0.1" and not params["public"] and not params["announce_maddrs"], name
+    bootstrap = parse(merged["services"]["bootstrap"]["command"]).params
+    assert bootstrap["steps"] == 7 and bootstrap["port"] == 0 and bootstrap["min_data_nodes"] == 2
+    assert parse(merged["services"]["data"]["command"]).params["linger"]
+
+
+def test_dockerfile_takes_its_base_and_torch_source_as_build_arguments() -> None:
+    lines = (ROOT / "bootstrap" / "Dockerfile").read_text().splitlines()
+    assert lines.index("ARG BASE=python:3.11-slim") < lines.index("FROM ${BASE}")
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in lines
+    install = [line for line in lines if "pip install" in line and "requirements.txt" in line]
+    assert len(install) == 1 and '${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}' in install[0]
+    assert "-c /tmp/deps/cpu.txt --find-links /tmp/deps" in install[0]
     assert (ROOT / "constraints" / "cpu.txt").is_file()
-    assert 'ENTRYPOINT ["swarmnode"]' in dockerfile
+    assert 'ENTRYPOINT ["swarmnode"]' in lines
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".git", ".venv", "swarm-out"} <= set(ignored)
+    assert {".git", ".venv", "swarm-out"} <= set(ignored) and "wheels" not in ignored
