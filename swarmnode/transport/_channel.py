@@ -110,7 +110,7 @@ class Channel(asyncio.BufferedProtocol):
         self._app: asyncio.StreamReaderProtocol | None = None
         self._open: AESGCM | None = None
         self._received = 0  # records opened
-        self._plain = bytearray()  # where each record opens (MAX_RECORD bytes once sealed)
+        self._plain = bytearray()  # where the records received open (once sealed)
         self._lost: BaseException | None = None
         self._ended = False  # the connection is lost (or the peer sent EOF)
         self._writing_paused = False  # the TCP transport's write buffer is over its high mark
@@ -218,7 +218,7 @@ class Channel(asyncio.BufferedProtocol):
                 app.data_received(bytes(self._held()))
             self._start = self._end = 0
         else:
-            self._plain = bytearray(MAX_RECORD)
+            self._plain = bytearray(_CAPACITY)  # the records one receive buffer holds, opened
             self._unseal()
         self._resume()
         if self._ended:
@@ -239,11 +239,12 @@ class Channel(asyncio.BufferedProtocol):
             self._transport.resume_reading()
 
     def _unseal(self) -> None:
-        """Open every whole record received and pass its plaintext on; end the connection on a bad one."""
-        app, unseal, error = self._app, self._open, None
+        """Open every whole record received and pass their plaintext on at once; end the connection on a bad
+        one (after passing on those before it)."""
+        app, unseal, error, opened = self._app, self._open, None, 0
         if app is None or unseal is None:
             return
-        with memoryview(self._buffer) as view:
+        with memoryview(self._buffer) as view, memoryview(self._plain) as plain:
             while self._end - self._start >= _LENGTH_BYTES:
                 start = self._start
                 length = bytes(view[start : start + _LENGTH_BYTES])
@@ -254,17 +255,21 @@ class Channel(asyncio.BufferedProtocol):
                 end = start + _LENGTH_BYTES + size + TAG_BYTES
                 if self._end < end:
                     break
-                with memoryview(self._plain)[:size] as plain:
-                    try:  # into a buffer kept for the purpose: no fresh memory to fault in per record
-                        unseal.decrypt_into(
-                            _nonce(self._received), view[start + _LENGTH_BYTES : end], length, plain
-                        )
-                    except InvalidTag:
-                        error = "a record that does not authenticate"
-                        break
-                    self._received += 1
-                    self._start = end
-                    app.data_received(plain)  # a StreamReader copies what it is given
+                try:  # into a buffer kept for the purpose: no fresh memory to fault in per record
+                    unseal.decrypt_into(
+                        _nonce(self._received),
+                        view[start + _LENGTH_BYTES : end],
+                        length,
+                        plain[opened : opened + size],
+                    )
+                except InvalidTag:
+                    error = "a record that does not authenticate"
+                    break
+                self._received += 1
+                self._start = end
+                opened += size
+            if opened:
+                app.data_received(plain[:opened])  # a StreamReader copies what it is given
         if error is not None:
             self._fail(error)
 
