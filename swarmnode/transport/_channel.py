@@ -135,9 +135,9 @@ class Channel(asyncio.BufferedProtocol):
         return memoryview(self._buffer)[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._app is not None and self._open is None:  # plaintext: pass it on
-            data = bytes(self._buffer[self._end : self._end + nbytes])
-            self._app.data_received(data)
+        if self._app is not None and self._open is None:  # plaintext: pass it on (the reader copies it)
+            with memoryview(self._buffer)[self._end : self._end + nbytes] as data:
+                self._app.data_received(data)  # type: ignore[arg-type]  # StreamReader takes any buffer
             return
         self._end += nbytes
         if self._app is not None:
@@ -185,7 +185,8 @@ class Channel(asyncio.BufferedProtocol):
                 await self._waiter
             finally:
                 self._waiter = None
-        data = bytes(self._buffer[self._start : self._start + n])
+        with memoryview(self._buffer)[self._start : self._start + n] as view:
+            data = bytes(view)
         self._start += n
         self._resume()
         return data
