@@ -152,7 +152,9 @@ def swarm_run(
     base: Path,
 ) -> dict[str, Any]:
     """One calm local swarm; the figures of its report (or why there are none)."""
-    out = base / f"{shape.name}-cfp-{label(checkfree_plus)}-seed{seed}" + (f"-run{repeat}" if repeat else "")
+    out = base / (
+        f"{shape.name}-cfp-{label(checkfree_plus)}-seed{seed}" + (f"-run{repeat}" if repeat else "")
+    )
     log = base / f"{out.name}.log"
     command = [
         sys.executable,
@@ -259,6 +261,27 @@ def earlier_runs(path: Path, plan: Plan) -> list[dict[str, Any]]:
     return runs
 
 
+def earlier_trainer(path: Path, args: argparse.Namespace) -> dict[tuple[int, int], Curve]:
+    """The trainer's curves of an earlier `--json` file, by (steps, seed); SystemExit if its preset or stages
+    differ from this run's."""
+    try:
+        stored = json.loads(path.read_text())
+        settings = stored["settings"]
+        curves = {
+            (int(run["steps"]), int(run["seed"])): {
+                int(p["step"]): float(p["val_loss"]) for p in run["val_curve"]
+            }
+            for run in stored["trainer"]
+        }
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"--trainer-runs {path}: no trainer runs to read ({error})") from None
+    if (settings.get("preset"), settings.get("stages")) != (args.preset, args.n_stages):
+        raise SystemExit(
+            f"--trainer-runs {path} trained {settings.get('preset')} in {settings.get('stages')} stages"
+        )
+    return curves
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="DxR list, comma separated")
@@ -282,6 +305,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
     parser.add_argument("--plot", type=Path, default=None, help="also plot the validation curves to this PNG")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
+    parser.add_argument(
+        "--trainer-runs",
+        type=Path,
+        default=None,
+        help="take the trainer's curves from an earlier --json file (the same preset and stages) instead of "
+        "training them again",
+    )
     parser.add_argument(
         "--swarm-runs",
         type=Path,
@@ -319,8 +349,12 @@ def main() -> None:
     lengths = sorted({steps} | {shape.data_nodes * steps for shape in shapes})
     torch.set_num_threads(1)  # a daemon's budget; two threads on a busy 2-core machine ran 10x slower
     trainer: dict[int, dict[int, Curve]] = {length: {} for length in lengths}
+    stored = {} if args.trainer_runs is None else earlier_trainer(args.trainer_runs, args)
     for length in lengths:
         for seed in seeds:
+            if (length, seed) in stored:
+                trainer[length][seed] = stored[(length, seed)]
+                continue
             started = time.monotonic()
             trainer[length][seed] = trainer_curve(args.preset, args.n_stages, length, seed, corpus)
             print(

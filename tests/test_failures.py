@@ -41,8 +41,8 @@ from failure_scenarios import (
     TOKENS_PER_MICROBATCH,
     WINDOW,
     assert_learning,
-    assert_skipped_meanwhile,
     assert_trained,
+    assert_waited_meanwhile,
     failure_swarm,
     initial_loss,
     initial_weights,
@@ -99,8 +99,8 @@ def test_lost_middle_stage_is_rebuilt_by_checkfree(swarm: LocalTestSwarm) -> Non
         expected = (w1 * previous["tensors"][name] + w2 * following["tensors"][name]) / (w1 + w2)
         assert torch.allclose(tensor, expected, rtol=1e-5, atol=1e-6), name
 
-    # training went on without stage 2, then through the new node again, and keeps learning
-    assert_skipped_meanwhile(data, 2, killed, recovered["time"])
+    # training waited for stage 2's rebuild, then went on through the new node, and keeps learning
+    assert_waited_meanwhile(data, 2, killed, recovered["time"])
     wait_steps_through(data, 2, online["time"], 10)
     record = record_of(swarm, 2, online["peer_id"])
     restored_step = max(previous["step"], following["step"])
@@ -138,7 +138,7 @@ def test_lost_edge_stages_are_copies_of_their_only_neighbour(swarm: LocalTestSwa
         for name, tensor in evidence["loaded"].items():
             assert torch.equal(tensor, source["tensors"][name]), name
 
-        assert_skipped_meanwhile(data, stage, killed, recovered["time"])
+        assert_waited_meanwhile(data, stage, killed, recovered["time"])
         wait_steps_through(data, stage, online["time"], 6)
         record = record_of(swarm, stage, online["peer_id"])
         assert record["step"] > source["step"] and record["recovery"]["method"] == "checkfree"
@@ -302,8 +302,8 @@ def test_two_adjacent_stages_lost_are_reinitialised(swarm: LocalTestSwarm) -> No
         differ = [n for n, t in evidence["loaded"].items() if not torch.equal(t, step0[n])]
         assert len(differ) >= len(step0) // 2, differ  # every matrix differs; RMSNorm scales are 1 in both
 
-    # training went on (without the lost stages), then through both new stages, with finite losses
-    assert_skipped_meanwhile(data, first["stage"], killed, first["time"])
+    # training waited for the lost stages' rebuild, then went on through both new stages, with finite losses
+    assert_waited_meanwhile(data, first["stage"], killed, first["time"])
     online = max(e["time"] for e in back.values())
     wait_steps_through(data, 1, online, 6)
     wait_steps_through(data, 2, online, 6)

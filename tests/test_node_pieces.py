@@ -18,7 +18,14 @@ from protocols.stepbook import MicrobatchKey
 from swarmnode.identity import Identity
 from swarmnode.model import build_stage
 from swarmnode.model_config import ModelConfig
-from swarmnode.node.planning import RememberedView, Snapshot, not_ready_to_start, plan_iteration
+from swarmnode.node.planning import (
+    RebuildWait,
+    RememberedView,
+    Snapshot,
+    lost_stages,
+    not_ready_to_start,
+    plan_iteration,
+)
 from swarmnode.node.state import (
     StateMismatch,
     check_replica_state,
@@ -125,6 +132,17 @@ def test_a_fresh_swarm_starts_with_every_stage_and_its_data_nodes() -> None:
     assert not_ready_to_start(snapshot(s0=("e", "f"), **stages), "d", spec) == []  # d counts itself
     with pytest.raises(RunSpecError, match="min_data_nodes"):
         RunSpec(run_id="r", min_data_nodes=0)
+
+
+def test_a_run_that_skips_nothing_waits_a_bounded_time_for_a_lost_stage() -> None:
+    view = snapshot(s0=("d",), s1=("a",), s3=("c",))
+    assert lost_stages(view, RunSpec(run_id="r", stages=3)) == [2]
+    assert lost_stages(view, RunSpec(run_id="r", stages=3, skip_ratio=0.25)) == []  # its paths skip it
+    wait = RebuildWait(limit_s=60.0)
+    assert wait.waits([2], now=100.0) and wait.waits([2], now=159.0)
+    assert not wait.waits([2], now=160.0)  # nobody rebuilt it: train past it
+    assert not wait.waits([], now=161.0)
+    assert wait.waits([3], now=200.0)  # a later loss waits its own full time
 
 
 def test_plan_is_empty_without_any_transformer_stage() -> None:

@@ -57,7 +57,13 @@ from swarmnode.node.daemon import Node
 from swarmnode.node.events import emit
 from swarmnode.node.iteration import Running, running
 from swarmnode.node.liveness import unanswered
-from swarmnode.node.planning import PlannedMicrobatch, not_ready_to_start, plan_iteration
+from swarmnode.node.planning import (
+    PlannedMicrobatch,
+    RebuildWait,
+    lost_stages,
+    not_ready_to_start,
+    plan_iteration,
+)
 from swarmnode.node.worker import DataWorker
 from swarmnode.precision import Overflow
 
@@ -88,6 +94,7 @@ class DataNode(Node):
         self.iteration = 0
         self._evaluations = 0
         self._current: Running | None = None  # the latest iteration (closed ones refuse everything)
+        self._rebuild = RebuildWait()
         self.val_loss: float | None = None
         self.routes_reported = 0  # re-routes that stage nodes reported (`Route`)
 
@@ -113,6 +120,10 @@ class DataNode(Node):
                 break
             self.optimizer.advance(self.iteration)
             view = self.view().without(self.router.suspects())
+            if self._rebuild.waits(lost_stages(view, self.spec), time.monotonic()):
+                await asyncio.sleep(self.spec.record_period_s)
+                await self.refresh_snapshot()
+                continue
             planned = plan_iteration(view, self.me, self.spec, self.iteration, self._tokens_per_mb)
             if not planned:
                 await asyncio.sleep(self.spec.record_period_s)
@@ -158,7 +169,7 @@ class DataNode(Node):
         2x1 swarm stalled near 6.2 where runs without them reach 5.4. A data node that starts a few seconds
         before another trains its first iterations alone, and how many depends on the timing: two runs of one
         seed of a 2x1 swarm, the second data node 3 s late in both, went apart within six steps (5.209 and
-        5.013 at step 100). Skipping is for stages lost later, while they are rebuilt."""
+        5.013 at step 100). A stage lost later is waited for or skipped while rebuilt (`RebuildWait`)."""
 
         waiting = not_ready_to_start(self.snapshot, self.me, self.spec)
         if waiting:

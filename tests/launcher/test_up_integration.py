@@ -63,7 +63,7 @@ def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
     # (the exporter takes one data node and one replica per stage, which NoLoCo keeps close, not equal; the
     # report's figure is the data nodes' mean, each through replicas chosen at random: 0.054 apart once)
     model = report["model"]
-    assert model["path"] == str(out / "model") and model["step"] == STEPS, model
+    assert model["path"] == str(out / "model") and model.get("step") == STEPS, model
     assert set(model["steps"]) == {"0", "1", "2", "3"} and (out / "model" / "model.safetensors").is_file()
     assert abs(model["val_loss"] - report["val_loss"]) < 0.15, (model, report["val_loss"])
     assert sorted((f["stage"], f["step"]) for f in report["failures"]) == [(2, 5), (2, 5)]  # both replicas
