@@ -1,6 +1,6 @@
 """Tensor RPC between daemons, over hivemind's libp2p daemon.
 
-    transport = Transport(p2p, TransportConfig(direct_host="127.0.0.1"))  # p2p: `await dht.replicate_p2p()`
+    transport = Transport(p2p, TransportConfig(direct_host="0.0.0.0"), identity=identity)  # the p2pd's key
     transport.register("forward", handler)  # async (peer_id, meta, tensors) -> (meta, tensors) or Reply
     await transport.start()
     meta, tensors = await transport.call(peer_id, "forward", meta, tensors, timeout=5.0)
@@ -8,10 +8,12 @@
 
 Messages of any size (far past hivemind's 4 MiB unary cap) travel as length-prefixed frames over pooled,
 persistent libp2p streams, or over direct TCP streams negotiated through libp2p when `direct_host` is set
-(loopback and trusted networks). Tensors travel as hivemind.compression's NONE or FLOAT16; the wire format
-and its checks are in `_framing`; the `Transport` facade is in `_transport`, its settings in `_config`, the
-calling side's streams in `_pool`, the serving side in `_serving`, the direct TCP path in `_direct`, the
-emulated WAN links (`Transport(p2p, config, links=LinkEmulator(network, site))`) in `_links`.
+(encrypted and bound to both peers' libp2p identities; plaintext only between loopback daemons). Tensors
+travel as hivemind.compression's NONE or FLOAT16; the wire format and its checks are in `_framing`; the
+`Transport` facade is in `_transport`, its settings in `_config`, the calling side's streams in `_pool`, the
+serving side in `_serving`, the direct TCP path in `_direct` (its handshake in `_handshake`, its sealed
+records in `_channel`), the emulated WAN links (`Transport(p2p, config, links=LinkEmulator(network, site))`)
+in `_links`.
 """
 
 from swarmnode.transport._config import TransportConfig, TransportStats
