@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -277,53 +275,5 @@ def test_records_hide_the_plaintext_and_carry_any_size() -> None:
             (0).to_bytes(12, "big"), bytes(received[4 : 4 + first + TAG_BYTES]), received[:4]
         )
         assert opened == plaintext[:MAX_RECORD]
-
-    uvloop.run(run())
-
-
-def _non_loopback_ip() -> str | None:
-    """An IPv4 address of this machine that is not loopback (the one a default route leaves by), if any."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the route's source
-        except OSError:
-            return None
-        address: str = probe.getsockname()[0]
-    return None if ipaddress.ip_address(address).is_loopback else address
-
-
-def test_off_loopback_the_default_direct_path_is_encrypted() -> None:
-    """Two daemons on a non-loopback address with the default settings (plaintext allowed on loopback) as
-    `join --host IP` makes them: their calls take the encrypted direct path, never a plaintext one."""
-    address = _non_loopback_ip()
-    if address is None:
-        pytest.skip("no non-loopback IPv4 address")
-
-    async def run() -> None:
-        before = p2pd_children()
-        identities = Identity.generate(), Identity.generate()
-        host = [f"/ip4/{address}/tcp/0"]
-        p2ps: list[P2P] = []
-        transports: list[Transport] = []
-        try:
-            for identity in identities:
-                initial = await p2ps[0].get_visible_maddrs() if p2ps else None
-                p2ps.append(await new_p2p(initial, identity=identity, host_maddrs=host))
-            config = TransportConfig(limits=LIMITS, direct_host=address)
-            for p2p, identity in zip(p2ps, identities, strict=True):
-                transports.append(Transport(p2p, config, identity=identity))
-            transports[0].register("echo", echo)
-            await transports[0].start()
-            x = torch.randn(1 << 18)
-            meta, (y,) = await transports[1].call(transports[0].peer_id, "echo", b"remote", [x], 10.0)
-            assert meta == b"remote" and torch.equal(x, y)
-            assert transports[1].stats.streams_opened["encrypted"] == 1
-            assert transports[1].stats.streams_opened["direct"] == 0
-        finally:
-            for transport in transports:
-                await transport.close()
-            for p2p in p2ps:
-                await p2p.shutdown()
-        assert p2pd_children() <= before, "a p2pd outlived its P2P"
 
     uvloop.run(run())

@@ -58,19 +58,16 @@ def p2pd_children() -> set[int]:
     return pids
 
 
-async def new_p2p(
-    initial_peers: list[Any] | None = None, identity: Identity | None = None, host_maddrs: list[str] = HOST
-) -> P2P:
-    """A P2P (on loopback unless `host_maddrs` say otherwise); with `identity`, its p2pd runs with that key
-    (as a daemon's does)."""
+async def new_p2p(initial_peers: list[Any] | None = None, identity: Identity | None = None) -> P2P:
+    """A P2P on loopback; with `identity`, its p2pd runs with that key (as a daemon's does)."""
     if identity is None:
-        return await P2P.create(initial_peers=initial_peers, host_maddrs=host_maddrs, nat_port_map=False)
+        return await P2P.create(initial_peers=initial_peers, host_maddrs=HOST, nat_port_map=False)
     with tempfile.TemporaryDirectory() as folder:
         key_file = Path(folder) / "identity.key"
         identity.save(key_file)
         return await P2P.create(
             initial_peers=initial_peers,
-            host_maddrs=host_maddrs,
+            host_maddrs=HOST,
             nat_port_map=False,
             identity_path=str(key_file),
             check_if_identity_free=False,
