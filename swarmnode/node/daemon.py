@@ -12,6 +12,7 @@ import asyncio
 import logging
 import random
 import time
+from abc import ABC, abstractmethod
 from dataclasses import replace
 
 from hivemind.p2p import PeerID
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 VIEW_GRACE_TTLS = 2  # a peer missing from the latest read is still routed to for this many record TTLs
 
 
-class Node:
+class Node(ABC):
     """State and handlers shared by every node; `StageNode` and `DataNode` add their stage's work.
 
     Complete once built (its transport, router and NoLoCo loop included); `start` serves and announces it,
@@ -376,30 +377,30 @@ class Node:
         reply, out = await self.outer.serve(peer, request, tensors)
         return encode(reply), out
 
-    # ---- stage work, overridden by StageNode and DataNode ----------------------------------------------
+    # ---- stage work, implemented by StageNode and DataNode ---------------------------------------------
 
+    @abstractmethod
     async def _on_forward(
         self, peer: str, message: Forward, tensors: list[Tensor]
-    ) -> tuple[bytes, list[Tensor]]:
-        raise NotImplementedError
+    ) -> tuple[bytes, list[Tensor]]: ...
 
+    @abstractmethod
     async def _on_backward(
         self, peer: str, message: Backward, tensors: list[Tensor]
-    ) -> tuple[bytes, list[Tensor]]:
-        raise NotImplementedError
+    ) -> tuple[bytes, list[Tensor]]: ...
 
-    async def on_abort(self, key: MicrobatchKey, reason: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def on_abort(self, key: MicrobatchKey, reason: str) -> None: ...
 
+    @abstractmethod
     def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
         """Whether `peer` may abort microbatch `key` here (a peer off its path may not)."""
-        raise NotImplementedError
 
     async def _on_route(self, peer: str, route: Route, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         raise Rejected(ErrorCode.WRONG_STAGE, f"route notices go to data nodes, not to stage {self.stage}")
 
-    async def maybe_step(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def maybe_step(self) -> None: ...
 
     def spawn(self, coro, name: str) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.create_task(coro, name=name)
