@@ -33,7 +33,8 @@ from swarmnode.runspec import RunVersionMismatch
     "--tokenizer",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="The tokenizer.json the data nodes use (default: the run's, trained on its data and cached).",
+    help="The run's tokenizer.json (refused if its digest is not the run's; default: the cached file with the "
+    "run's digest, else fetched from the run's owners or data nodes).",
 )
 @click.option(
     "--every-steps",
