@@ -33,8 +33,8 @@ from swarmnode.runspec import RunVersionMismatch
     "--tokenizer",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="The run's tokenizer.json (refused if its digest is not the run's; default: the cached file with the "
-    "run's digest, else fetched from the run's owners or data nodes).",
+    help="The run's tokenizer.json (refused if its digest is not the run's; default: the cached file "
+    "with the run's digest, else fetched from the run's owners or data nodes).",
 )
 @click.option(
     "--every-steps",
