@@ -12,13 +12,15 @@ from protocols.messages import Pong, Rpc, decode
 from swarmnode.node.planning import Snapshot
 from swarmnode.transport import PeerUnreachable, Transport, TransportError
 
-PING_TIMEOUT_S = 1.0
+PING_TIMEOUT_S = 1.0  # over libp2p's connection (`direct=False`): a NAT'ed peer's first direct dial takes 3 s
 
 
 async def ping(transport: Transport, peer: str, stage: int | None = None) -> bool:
     """Whether `peer` answers now (and, if `stage` is given, serves that stage)."""
     try:
-        reply, _ = await transport.call(PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=PING_TIMEOUT_S)
+        reply, _ = await transport.call(
+            PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=PING_TIMEOUT_S, direct=False
+        )
         answer = decode(reply, Pong)
     except (TransportError, ProtocolError, ValueError):
         return False
@@ -36,7 +38,9 @@ async def unanswered(transport: Transport, peers: list[str]) -> tuple[frozenset[
 
 async def _ping_outcome(transport: Transport, peer: str) -> str:
     try:
-        reply, _ = await transport.call(PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=PING_TIMEOUT_S)
+        reply, _ = await transport.call(
+            PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=PING_TIMEOUT_S, direct=False
+        )
         decode(reply, Pong)
     except (PeerUnreachable, ValueError):
         return "unreachable"

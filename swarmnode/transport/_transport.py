@@ -166,12 +166,15 @@ class Transport:
         timeout: float,
         *,
         compression: Compression | None = None,
+        direct: bool = True,
     ) -> tuple[bytes, list[torch.Tensor]]:
         """Call `method` on `peer_id` and return its reply (meta, tensors), all within `timeout` seconds.
 
-        `compression` (default: the transport's) applies to float32 tensors in both directions. The caller
-        must not change `tensors` until the call returns. Raises PeerUnreachable, CallTimeout, RemoteError or
-        WireError (all TransportError); TypeError/ValueError for arguments that cannot be sent.
+        `compression` (default: the transport's) applies to float32 tensors in both directions. With
+        `direct=False` the call never waits for a direct path to open (a short call, such as a ping, whose
+        timeout is below the direct connect's). The caller must not change `tensors` until the call returns.
+        Raises PeerUnreachable, CallTimeout, RemoteError or WireError (all TransportError); TypeError or
+        ValueError for arguments that cannot be sent.
         """
         if not 0 < timeout < math.inf:
             raise ValueError(f"timeout must be positive and finite, got {timeout}")
@@ -186,7 +189,7 @@ class Transport:
                 if self._links is not None:
                     await self._links.hold(peer_id, size)  # before a stream is taken: it may wait long
                 async with self._pool.slot(peer_id):
-                    stream = await self._stream_to(peer_id)
+                    stream = await self._stream_to(peer_id, direct)
                     result = await self._pool.exchange(stream, method, frame)
         except TimeoutError:
             self.stats.calls_failed["CallTimeout"] += 1
@@ -200,8 +203,8 @@ class Transport:
         self.estimates.observe(peer_id.to_base58(), size, received, seconds)
         return result
 
-    async def _stream_to(self, peer_id: PeerID) -> Stream:
-        if self._dialer is not None:
+    async def _stream_to(self, peer_id: PeerID, direct: bool) -> Stream:
+        if direct and self._dialer is not None:
             stream = await self._dialer.stream_to(peer_id)
             if stream is not None:
                 return stream
