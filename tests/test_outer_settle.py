@@ -109,11 +109,7 @@ async def _scenario() -> None:
 
 
 def test_the_due_step_waits_for_the_exchange_and_applies_it() -> None:
-    loop = uvloop.new_event_loop()
-    try:
-        loop.run_until_complete(asyncio.wait_for(_scenario(), 60))
-    finally:
-        loop.close()
+    uvloop.run(asyncio.wait_for(_scenario(), 60))
 
 
 async def _idle_scenario() -> None:
@@ -129,8 +125,4 @@ async def _idle_scenario() -> None:
 
 
 def test_an_idle_replica_applies_once_the_clock_has_passed_the_due_step() -> None:
-    loop = uvloop.new_event_loop()
-    try:
-        loop.run_until_complete(asyncio.wait_for(_idle_scenario(), 60))
-    finally:
-        loop.close()
+    uvloop.run(asyncio.wait_for(_idle_scenario(), 60))
