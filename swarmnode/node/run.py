@@ -125,7 +125,9 @@ async def run_join(options: JoinOptions) -> int:
         torch.set_num_threads(options.threads)
     started = time.monotonic()
     adopt_orphans()  # a DHT process that crashes leaves its p2pd to this process, which ends it
-    threading.Thread(target=_warm_torch, name="warm-torch", daemon=True).start()
+    # Not a daemon thread: the interpreter waits for it at exit, rather than finalising torch under its
+    # import (which printed a traceback when a node exited within its first second).
+    threading.Thread(target=_warm_torch, name="warm-torch").start()
     dht = SwarmDHT(
         options.run_id,
         options.initial_peers,
