@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from swarmnode import __version__
+from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.compute import ComputeQueue
 from swarmnode.optim import StageOptimizer
 
@@ -29,7 +30,7 @@ HOP_BYTES = tuple(float(2**k) for k in range(10, 31, 2))  # 1 KiB .. 1 GiB
 
 
 class Observed(Protocol):
-    """What the scrape reads of a node (`node.daemon.Node`; its NoLoCo loop exists once it has started)."""
+    """What the scrape reads of a node (`node.daemon.Node`)."""
 
     stage: int
     tokens_processed: int
@@ -37,6 +38,7 @@ class Observed(Protocol):
     microbatches_served: int
     optimizer: StageOptimizer
     compute: ComputeQueue
+    outer: OuterLoop
 
 
 class NodeGauges(Collector):
@@ -50,8 +52,7 @@ class NodeGauges(Collector):
         if node is None:
             return
         step, busy = node.optimizer.step_count, node.compute.busy_seconds
-        outer = getattr(node, "outer", None)  # set when the node starts
-        outer_step, depth = (outer.outer_step, node.compute.depth) if outer is not None else (0, 0)
+        outer_step, depth = node.outer.outer_step, node.compute.depth
         yield _gauge("swarmnode_stage", "The stage this node serves (0: data).", node.stage)
         yield _gauge("swarmnode_step", "Optimizer steps on the swarm clock.", step)
         yield _gauge("swarmnode_outer_step", "NoLoCo outer steps taken.", outer_step)
