@@ -25,6 +25,7 @@ from swarmnode.node.planning import (
     lost_stages,
     not_ready_to_start,
     plan_iteration,
+    skip_ratio_of_live,
 )
 from swarmnode.node.state import (
     StateMismatch,
@@ -92,6 +93,31 @@ def test_plan_skips_a_lost_stage() -> None:
     view = snapshot(s0=("d",), s1=("a",), s3=("c",))
     planned = plan_iteration(view, "d", spec, iteration=7, tokens_per_microbatch=1024)
     assert planned and all(2 not in mb.stages for mb in planned)
+
+
+def test_skipping_goes_on_while_a_stage_is_lost() -> None:
+    # the lost stage counts as one of the path's skips: paths keep the run's length (issue 12: the skip ratio
+    # used to drop to 0 whenever a stage was missing, so every path visited all the live stages)
+    spec = RunSpec(run_id="r", stages=6, microbatches=6, skip_ratio=0.34, checkfree_plus=False)
+    full = snapshot(s0=("d",), s1=("a",), s2=("b",), s3=("c",), s4=("e",), s5=("f",), s6=("g",))
+    lost = snapshot(s0=("d",), s1=("a",), s2=("b",), s4=("e",), s5=("f",), s6=("g",))
+    for view in (full, lost):
+        planned = plan_iteration(view, "d", spec, iteration=3, tokens_per_microbatch=1024)
+        assert [len(mb.stages) - 2 for mb in planned] == [4] * 6
+    assert not any(3 in mb.stages for mb in planned)  # the last view: stage 3 lost
+    few = snapshot(s0=("d",), s1=("a",), s2=("b",), s3=("c",))  # fewer live stages than a path visits
+    planned = plan_iteration(few, "d", spec, iteration=3, tokens_per_microbatch=1024)
+    assert [sorted(mb.stages[1:-1]) for mb in planned] == [[1, 2, 3]] * 6
+
+
+def test_the_skip_ratio_over_the_live_stages_keeps_the_path_length() -> None:
+    assert skip_ratio_of_live(0.0, 3, 2) == 0.0
+    assert skip_ratio_of_live(0.34, 6, 6) == pytest.approx(2 / 6)
+    assert skip_ratio_of_live(0.34, 6, 5) == pytest.approx(1 / 5)
+    assert skip_ratio_of_live(0.34, 6, 4) == 0.0
+    assert skip_ratio_of_live(0.5, 16, 12) == pytest.approx(4 / 12)
+    with pytest.raises(ValueError, match="live stages"):
+        skip_ratio_of_live(0.34, 6, 7)
 
 
 def test_a_stage_missing_from_one_read_is_not_skipped() -> None:

@@ -111,6 +111,16 @@ class PlannedMicrobatch:
     visits: tuple[int, ...]  # how many of this iteration's microbatches the plan sends through each hop
 
 
+def skip_ratio_of_live(skip_ratio: float, stages: int, live: int) -> float:
+    """The skip ratio over the `live` transformer stages that keeps the run's path length: a path visits
+    as many stages as the run's `skip_ratio` over all `stages` says, the lost ones counting as skipped, so
+    skipping goes on while a stage is rebuilt (and stops only when fewer stages live than a path visits)."""
+    if not 1 <= live <= stages:
+        raise ValueError(f"live stages must lie in 1..{stages}, got {live}")
+    visited = min(live, max(1, stages - round(skip_ratio * stages)))
+    return (live - visited) / live
+
+
 def plan_iteration(
     snapshot: Snapshot, me: str, spec: RunSpec, iteration: int, tokens_per_microbatch: int
 ) -> list[PlannedMicrobatch]:
@@ -132,7 +142,7 @@ def plan_iteration(
     skipping = spec.skip_ratio > 0
     rules = PathRules(
         microbatches_per_data_node=spec.microbatches,
-        skip_ratio=spec.skip_ratio if skipping and len(alive) == spec.stages else 0.0,
+        skip_ratio=skip_ratio_of_live(spec.skip_ratio, spec.stages, len(alive)),
         # a run that skips nothing keeps every path in stage order: SkipPipe's reorderings are part of
         # opting in to its paths (they cost quality at small scale; see docs/design.md)
         max_swaps=PathRules.max_swaps if skipping else 0,
