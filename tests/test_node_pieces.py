@@ -110,6 +110,23 @@ def test_skipping_goes_on_while_a_stage_is_lost() -> None:
     assert [sorted(mb.stages[1:-1]) for mb in planned] == [[1, 2, 3]] * 6
 
 
+def test_data_nodes_take_their_shares_of_one_plan() -> None:
+    # every data node plans the same iteration from the same inputs (the swarm clock, the run's seed) and
+    # takes its own microbatches: together they are one schedule, in which each replica serves each data
+    # node once (apart, two data nodes would often send both their microbatches through one replica)
+    spec = RunSpec(run_id="r", stages=3, microbatches=2, checkfree_plus=False)
+    view = snapshot(s0=("d1", "d2"), s1=("a1", "a2"), s2=("b1", "b2"), s3=("c1", "c2"))
+    for iteration in range(6):
+        served: dict[str, list[str]] = {}
+        for data in ("d1", "d2"):
+            for mb in plan_iteration(view, data, spec, iteration, tokens_per_microbatch=1024):
+                for peer in mb.path[1:-1]:
+                    served.setdefault(peer, []).append(data)
+        assert {peer: sorted(datas) for peer, datas in served.items()} == {
+            peer: ["d1", "d2"] for peer in ("a1", "a2", "b1", "b2", "c1", "c2")
+        }
+
+
 def test_the_skip_ratio_over_the_live_stages_keeps_the_path_length() -> None:
     assert skip_ratio_of_live(0.0, 3, 2) == 0.0
     assert skip_ratio_of_live(0.34, 6, 6) == pytest.approx(2 / 6)
