@@ -80,6 +80,31 @@ def poll(
         time.sleep(interval)
 
 
+def event_objects(lines: Iterable[str], source: str, kind: str | None = None) -> list[dict[str, Any]]:
+    """The JSON objects among `lines`, optionally only the events of one kind. A daemon's event (a kind
+    `swarmnode.event_schema` defines) that breaks the schema is skipped with a warning naming `source`;
+    other objects (status snapshots, the test clients' own lines) are taken as printed."""
+    found = []
+    for line in lines:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(event, dict) or (kind is not None and event.get("event") != kind):
+            continue
+        if event.get("event") in KINDS:
+            try:
+                parse_object(event, received=0.0)
+            except MalformedEvent as error:
+                logger.warning("%s printed a malformed event line: %s", source, error)
+                continue
+        found.append(event)
+    return found
+
+
 class NodeProcess:
     """One process of the swarm, started and ended by `swarmnode.launcher.procs.ChildProcess` (its own
     session; stdout and stderr in files), its JSON event lines parsed on read."""
@@ -111,29 +136,10 @@ class NodeProcess:
             return []
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        """The JSON objects printed so far (complete lines only), optionally only the events of one kind.
-        A daemon's event (a kind `swarmnode.event_schema` defines) that breaks the schema is skipped with a
-        warning; other lines (status snapshots, the test clients' own lines) are taken as printed."""
-        found = []
+        """The JSON objects printed so far (complete lines only), optionally only the events of one kind
+        (`event_objects`)."""
         text = self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
-        for line in text.split("\n")[:-1]:  # the last piece may be a line still being written
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(event, dict) or (kind is not None and event.get("event") != kind):
-                continue
-            if event.get("event") in KINDS:
-                try:
-                    parse_object(event, received=0.0)
-                except MalformedEvent as error:
-                    logger.warning("%s printed a malformed event line: %s", self.name, error)
-                    continue
-            found.append(event)
-        return found
+        return event_objects(text.split("\n")[:-1], self.name, kind)  # the last piece may be unfinished
 
     def stderr_tail(self, lines: int = 15) -> str:
         try:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from swarm_harness import HarnessError, poll
+from swarm_harness import HarnessError, event_objects, poll
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILES = ("docker-compose.yml", "tests/compose/loopback.yml")
@@ -186,7 +186,7 @@ class ComposeProject:
     def events(self, container: str) -> list[dict[str, Any]]:
         """The JSON event lines a container printed so far (stdout only)."""
         done = subprocess.run(["docker", "logs", container], capture_output=True, text=True, timeout=60)
-        return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        return event_objects(done.stdout.splitlines(), container)
 
     def states(self) -> dict[str, tuple[int, bool]]:
         """Each container's restarts and whether it runs (one `docker inspect` for all)."""

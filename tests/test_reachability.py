@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import struct
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ import msgpack
 import pytest
 from cli_helpers import one_line_usage_error, run
 from hivemind.p2p import P2P, PeerID
+from swarm_harness import event_objects
 
 from protocols.messages import PROTOCOL_VERSION
 from swarmnode.dht import Reach, SwarmDHT, peer_ids_of
@@ -105,8 +105,8 @@ def test_the_check_between_peers_on_loopback(
 
     assert reported == ReachResult(ports, server.peer_id, "127.0.0.1", ports) == again
     out, err = capsys.readouterr()
-    event = json.loads(out.strip().splitlines()[-1])
-    assert event["event"] == "reachability" and event["reachable"] is True
+    (event,) = event_objects(out.strip().splitlines()[-1:], "the reachability check", "reachability")
+    assert event["reachable"] is True
     assert event["address"] == f"/ip4/127.0.0.1/tcp/{ports[0]}"
     assert err.strip().splitlines()[-1] == f"swarmnode: {event['message']}"
     assert event["message"].startswith(f"reachable at /ip4/127.0.0.1/tcp/{ports[0]}")
