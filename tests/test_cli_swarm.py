@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 import swarmnode.status
+from swarmnode.cli import daemons as daemons_cli
 from swarmnode.cli import main
-from swarmnode.cli import swarm as swarm_cli
 from swarmnode.dht import SwarmDHT
 from swarmnode.identity import Identity
 from swarmnode.node import bootstrap as bootstrap_module
@@ -194,7 +194,7 @@ class SlowObserver:
 @pytest.fixture
 def slow_observer(monkeypatch: pytest.MonkeyPatch) -> type[SlowObserver]:
     monkeypatch.setattr(swarmnode.status, "SwarmObserver", SlowObserver)
-    monkeypatch.setattr(swarm_cli.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(daemons_cli.time, "sleep", lambda seconds: None)
     SlowObserver.script, SlowObserver.closed = [], False
     return SlowObserver
 

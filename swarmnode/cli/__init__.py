@@ -5,9 +5,9 @@ from __future__ import annotations
 import click
 
 from swarmnode import __version__
+from swarmnode.cli import daemons as daemons_module
 from swarmnode.cli import export as export_module
 from swarmnode.cli import schedule as schedule_module
-from swarmnode.cli import swarm as swarm_module
 from swarmnode.cli import train as train_module
 from swarmnode.cli import up as up_module
 
@@ -23,9 +23,9 @@ for command in (
     up_module.up,
     train_module.train,
     schedule_module.schedule,
-    swarm_module.bootstrap,
-    swarm_module.join,
-    swarm_module.status,
+    daemons_module.bootstrap,
+    daemons_module.join,
+    daemons_module.status,
     export_module.export,
 ):
     main.add_command(command)

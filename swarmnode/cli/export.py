@@ -7,8 +7,7 @@ from pathlib import Path
 
 import click
 
-from swarmnode.cli.log_options import logging_options
-from swarmnode.cli.swarm import (
+from swarmnode.cli.daemons import (
     OWNER_HELP,
     PEERS_HELP,
     RUN_ID_HELP,
@@ -16,6 +15,7 @@ from swarmnode.cli.swarm import (
     _peers_or_fail,
     _run_async,
 )
+from swarmnode.cli.log_options import logging_options
 from swarmnode.runspec import RunVersionMismatch
 
 
