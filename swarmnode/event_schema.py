@@ -178,7 +178,7 @@ class Recovered(EventRecord):
 
 
 @dataclass(frozen=True)
-class Rejected(EventRecord):
+class RequestRejected(EventRecord):
     """A node refused a peer's request (`code`: the error code)."""
 
     KIND: ClassVar[str] = "rejected"
@@ -280,7 +280,7 @@ KINDS: dict[str, type[EventRecord]] = {
         Reachability,
         Seeded,
         Recovered,
-        Rejected,
+        RequestRejected,
         StateSnapshot,
         Moving,
         Finished,

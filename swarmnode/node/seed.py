@@ -52,7 +52,7 @@ FETCH_ATTEMPTS = 5
 FETCH_TIMEOUT_S = 60.0
 
 
-class Seeded(Protocol):
+class SeedJoiner(Protocol):
     """What starting from the run's initial weights needs of a node."""
 
     spec: RunSpec
@@ -178,7 +178,7 @@ async def fetch_seed(
     raise SeedError(f"no owner of the run delivered stage {stage}'s initial weights ({last})")
 
 
-async def start_from_seed(node: Seeded) -> None:
+async def start_from_seed(node: SeedJoiner) -> None:
     """A run that starts from weights and has not trained yet: load this stage's initial weights, fetched
     from the run's owner and checked against the run definition's digest."""
     expected = node.spec.init_digest(node.stage)
