@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -73,6 +72,7 @@ from quality_summary import (  # benchmarks/, next to this script
 )
 
 from swarmnode.data import Corpus, load_corpus
+from swarmnode.launcher.procs import ChildProcess
 from swarmnode.model_config import stage_layers
 from swarmnode.presets import get_preset
 from swarmnode.trainer import Progress, TrainConfig, train
@@ -80,7 +80,7 @@ from swarmnode.trainer import Progress, TrainConfig, train
 EVAL_EVERY = 25  # the data nodes' evaluation period (`swarmnode.node.driver.DataNode`)
 SECONDS_PER_STEP = 20  # `up --timeout`: generous, a calm run of the tiny preset needs about 1 s a step
 GRACE_S = 180.0  # beyond `up --timeout` before the benchmark stops `up` itself
-STOP_S = 60.0  # after SIGINT, before SIGKILL
+STOP_S = 60.0  # after SIGTERM, before SIGKILL
 DEFAULT_CONFIGS = "1x1,2x1,1x2,2x2,2x3"
 
 
@@ -119,19 +119,22 @@ def mean_per_step(points: list[dict[str, Any]]) -> Curve:
     return {step: statistics.fmean(losses) for step, losses in sorted(by_step.items())}
 
 
-def run_up(command: list[str], log: Path, timeout: float) -> int | None:
-    """Run `up` with its output in `log`; its exit status, or None if it had to be stopped."""
-    with log.open("w") as output, subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT) as up:
-        try:
-            return up.wait(timeout)
-        except subprocess.TimeoutExpired:
-            up.send_signal(signal.SIGINT)  # `up` ends its nodes and writes its report
+def run_up(command: list[str], name: str, log_dir: Path, timeout: float) -> int | None:
+    """Run `up` (through the launcher's supervisor: its output in `{log_dir}/{name}.out` and `.err`); its
+    exit status, or None if it had to be stopped. Stopped, `up` gets SIGTERM (it ends its nodes and writes
+    its report), then SIGKILL to its group after STOP_S; the same when this script is interrupted."""
+    up = ChildProcess(name, command, log_dir)
+    try:
+        return up.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if up.poll() is None:
+            up.terminate()
             try:
                 up.wait(STOP_S)
             except subprocess.TimeoutExpired:
                 up.kill()
-                up.wait()
-            return None
 
 
 def read_report(path: Path) -> dict[str, Any] | None:
@@ -155,7 +158,6 @@ def swarm_run(
     out = base / (
         f"{shape.name}-cfp-{label(checkfree_plus)}-seed{seed}" + (f"-run{repeat}" if repeat else "")
     )
-    log = base / f"{out.name}.log"
     command = [
         sys.executable,
         "-m",
@@ -183,7 +185,7 @@ def swarm_run(
         str(out),
     ]
     started = time.monotonic()
-    returncode = run_up(command, log, SECONDS_PER_STEP * args.steps + GRACE_S)
+    returncode = run_up(command, out.name, base, SECONDS_PER_STEP * args.steps + GRACE_S)
     seconds = time.monotonic() - started
     report = read_report(out / "report.json")
     curve = mean_per_step(report.get("val_curve") or []) if report else {}
@@ -193,7 +195,8 @@ def swarm_run(
     ok = outcome == "completed" and args.steps in curve
     if not args.keep and ok:
         shutil.rmtree(out, ignore_errors=True)
-        log.unlink(missing_ok=True)
+        for log in (base / f"{out.name}.out", base / f"{out.name}.err"):
+            log.unlink(missing_ok=True)
     return {
         "config": shape.name,
         "data_nodes": shape.data_nodes,
