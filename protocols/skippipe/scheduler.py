@@ -142,18 +142,18 @@ def _improve(
             break
         trial = dict(paths)
         mb = _pick(last, ids, rng, m)
-        moves[rng.randrange(len(moves))](trial, view, space, rng, mb, ids)
-        change = tuple((mb, trial[mb]) for mb in ids if trial[mb] is not paths[mb] and trial[mb] != paths[mb])
+        touched = moves[rng.randrange(len(moves))](trial, view, space, rng, mb, ids)
+        change = tuple((x, trial[x]) for x in sorted(set(touched)) if trial[x] != paths[x])
         if not change or change in tried:
             continue
-        touched = {path[0] for _, path in change}  # a draw is missed or not per data node
-        if draws and missed({mb: trial[mb] for d in touched for mb in by_data[d]}, view, draws):
+        sources = {path[0] for _, path in change}  # a draw is missed or not per data node
+        if draws and missed({mb: trial[mb] for d in sources for mb in by_data[d]}, view, draws):
             continue
         tried.add(change)
         outcome = simulator.rerun(trace, trial, bound=result.iteration_time_s)
         if outcome is not None and _key(outcome) < _key(result):
+            trace = simulator.retrace(trace, trial)
             paths, result = trial, outcome
-            trace = simulator.trace(paths)
             tried.clear()
             last = _last(result)
     return paths, result
@@ -178,18 +178,19 @@ def _stages(view: SwarmView, path: tuple[int, ...]) -> Order:
 
 def _move_replica(
     paths: Paths, view: SwarmView, space: SequenceSpace, rng: random.Random, mb: int, ids: list[int]
-) -> None:
+) -> tuple[int, ...]:
     path = paths[mb]
     positions = [p for p in range(1, len(path) - 1) if len(view.stages[view.stage_of[path[p]]]) > 1]
     if positions:
         p = positions[rng.randrange(len(positions))]
         others = [v for v in view.stages[view.stage_of[path[p]]] if v != path[p]]
         paths[mb] = (*path[:p], others[rng.randrange(len(others))], *path[p + 1 :])
+    return (mb,)
 
 
 def _swap_replicas(
     paths: Paths, view: SwarmView, space: SequenceSpace, rng: random.Random, a: int, ids: list[int]
-) -> None:
+) -> tuple[int, ...]:
     """a and another microbatch of its data node exchange the replicas they use for one stage."""
     i = rng.randrange(1, len(paths[a]) - 1)
     stage = view.stage_of[paths[a][i]]
@@ -205,42 +206,47 @@ def _swap_replicas(
         x, y = paths[a][i], paths[b][j]
         paths[a] = (*paths[a][:i], y, *paths[a][i + 1 :])
         paths[b] = (*paths[b][:j], x, *paths[b][j + 1 :])
+        return (a, b)
+    return ()
 
 
 def _exchange_paths(
     paths: Paths, view: SwarmView, space: SequenceSpace, rng: random.Random, a: int, ids: list[int]
-) -> None:
+) -> tuple[int, ...]:
     b = ids[rng.randrange(len(ids))]
     pa, pb = paths[a], paths[b]
     paths[a], paths[b] = (pa[0], *pb[1:-1], pa[0]), (pb[0], *pa[1:-1], pb[0])
+    return (a, b)
 
 
 def _exchange_stages(
     paths: Paths, view: SwarmView, space: SequenceSpace, rng: random.Random, a: int, ids: list[int]
-) -> None:
+) -> tuple[int, ...]:
     """a hands one of its hops to b and takes one of b's stages in its place: stage counts stay put."""
     b = ids[rng.randrange(len(ids))]
     pa, pb = paths[a], paths[b]
     sa, sb = _stages(view, pa), _stages(view, pb)
     pairs = [(i, j) for i, x in enumerate(sa) if x not in sb for j, y in enumerate(sb) if y not in sa]
     if not pairs:
-        return
+        return ()
     i, j = pairs[rng.randrange(len(pairs))]
     new_a = (*pa[: i + 1], pb[j + 1], *pa[i + 2 :])
     new_b = (*pb[: j + 1], pa[i + 1], *pb[j + 2 :])
     if _same_kind(space, view, pa, new_a) and _same_kind(space, view, pb, new_b):
         paths[a], paths[b] = new_a, new_b
+    return (a, b)
 
 
 def _reorder(
     paths: Paths, view: SwarmView, space: SequenceSpace, rng: random.Random, mb: int, ids: list[int]
-) -> None:
+) -> tuple[int, ...]:
     path = paths[mb]
     if len(path) > 3:
         i, j = sorted(rng.sample(range(1, len(path) - 1), 2))
         new = (*path[:i], path[j], *path[i + 1 : j], path[i], *path[j + 1 :])
         if _same_kind(space, view, path, new):
             paths[mb] = new
+    return (mb,)
 
 
 def _same_kind(space: SequenceSpace, view: SwarmView, old: tuple[int, ...], new: tuple[int, ...]) -> bool:

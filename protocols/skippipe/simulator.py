@@ -150,8 +150,7 @@ class Simulator:
         chains = [self._chain(mb, paths[mb]) for mb in ids]
         state = _State(chains, self.view.n_nodes, self.fifo)
         snapshots = [state.copy()]
-        stride = self.stride or max(16, 3 * sum(map(len, chains)) // 32)  # 3 events per task
-        self._play(state, chains, math.inf, snapshots, stride)
+        self._play(state, chains, math.inf, snapshots, self._stride(chains))
         frozen = MappingProxyType({mb: tuple(paths[mb]) for mb in ids})
         rests = tuple(self._rest(chain) for chain in chains)
         return Trace(frozen, _result(ids, state), tuple(state.ends), tuple(snapshots), tuple(chains), rests)
@@ -161,6 +160,32 @@ class Simulator:
     ) -> SimResult | None:
         """`run(paths)` for a plan of the same microbatches as `trace`'s, replayed from the last snapshot
         before its first task that differs; None once its iteration is sure to end after `bound`."""
+        ids, chains, rests, diverge, first = self._changed(trace, paths)
+        if first > bound + 1e-9 * max(1.0, abs(bound)):
+            return None  # the changed task of the earliest change arrives too late (as `_play` would find)
+        state = trace.snapshots[_last_before(trace.snapshots, diverge)].copy()
+        if not self._play(state, chains, bound, None, 0, rests):
+            return None
+        return _result(ids, state)
+
+    def retrace(self, trace: Trace, paths: Mapping[int, Sequence[int]]) -> Trace:
+        """`trace(paths)` for a plan of the same microbatches as `trace`'s (a rerun that was kept): the
+        snapshots before its first changed task are `trace`'s, the rest of the iteration is replayed."""
+        ids, chains, rests, diverge, _ = self._changed(trace, paths)
+        start = _last_before(trace.snapshots, diverge)
+        snapshots = list(trace.snapshots[: start + 1])
+        state = snapshots[start].copy()
+        self._play(state, chains, math.inf, snapshots, self._stride(chains))
+        frozen = MappingProxyType({mb: tuple(paths[mb]) for mb in ids})
+        return Trace(
+            frozen, _result(ids, state), tuple(state.ends), tuple(snapshots), tuple(chains), tuple(rests)
+        )
+
+    def _changed(
+        self, trace: Trace, paths: Mapping[int, Sequence[int]]
+    ) -> tuple[list[int], list[Chain], list[list[float]], float, float]:
+        """The microbatch ids, task chains and rests of `paths`, the earliest moment one of its tasks can
+        differ from `trace`'s, and when the changed task of that change arrives at best."""
         ids = sorted(paths)
         if ids != list(trace.paths):
             raise LocalProtocolError("a rerun must keep the traced plan's microbatches")
@@ -178,17 +203,10 @@ class Simulator:
                     if step < len(chain):
                         hop = self.view.link_s[chain[step - 1][0]][chain[step][0]] if step > 0 else 0.0
                         first = when + hop + rests[i][step]
-        if first > bound + 1e-9 * max(1.0, abs(bound)):
-            return None  # the changed task of the earliest change arrives too late (as `_play` would find)
-        start = trace.snapshots[0]
-        for snapshot in trace.snapshots:
-            if snapshot.now > diverge:
-                break
-            start = snapshot
-        state = start.copy()
-        if not self._play(state, chains, bound, None, 0, rests):
-            return None
-        return _result(ids, state)
+        return ids, chains, rests, diverge, first
+
+    def _stride(self, chains: list[Chain]) -> int:
+        return self.stride or max(16, 3 * sum(map(len, chains)) // 32)  # 3 events per task
 
     def _play(
         self,
@@ -202,7 +220,10 @@ class Simulator:
         """Run the event loop from `state` to the end (True), or stop (False) once the iteration is sure to
         end after `bound`: an event falls after it, or a task arrives at a node busy too long or starts too
         late for the rest of its chain (`rests`) to end by then. With `snapshots`, append a copy of the
-        state at an instant's start every `stride` events."""
+        state at an instant's start every `stride` events.
+
+        A node to serve goes to `dispatch` while other events are due at the same instant (all of an
+        instant's arrivals compete); one with nothing else due is served at once."""
         limit = bound + 1e-9 * max(1.0, abs(bound))  # the rests are sums in another order: keep a margin
         links = self.view.link_s
         memory = len(chains) + 1 if self.fifo else self.memory
@@ -213,6 +234,7 @@ class Simulator:
             state.back,
             state.fwd,
         )
+        fifo = waiting_back is waiting_fwd
         events, ends = state.events, state.ends
         seq, collisions, queueing, now = state.seq, state.collisions, state.queueing, state.now
         pending = [False] * len(busy)
@@ -221,7 +243,7 @@ class Simulator:
         since = 0
         if events and events[0][0] > bound:
             return False
-        while events or dispatch:
+        while True:
             if events and (not dispatch or events[0][0] == now):
                 if events[0][0] != now:  # a new instant
                     if events[0][0] > bound:
@@ -237,7 +259,11 @@ class Simulator:
                     if rests is not None and (until[node] if busy[node] else now) + rests[i][step] > limit:
                         return False
                     task = chains[i][step]
-                    if busy[node] or waiting_back[node] or waiting_fwd[node]:
+                    if busy[node]:
+                        collisions += 1
+                        push(waiting_fwd[node] if task[1] else waiting_back[node], (now, i, step))
+                        continue
+                    if waiting_back[node] or waiting_fwd[node]:
                         collisions += 1
                     elif (
                         not dispatch
@@ -247,13 +273,11 @@ class Simulator:
                         # alone at an idle node, nothing else due at this instant: it starts at once
                         held[node] += task[1]
                         busy[node] = True
-                        until[node] = now + task[2]
-                        push(events, (until[node], seq, node, i, -1 - step))
+                        until[node] = end = now + task[2]
+                        push(events, (end, seq, node, i, -1 - step))
                         seq += 1
                         continue
                     push(waiting_fwd[node] if task[1] else waiting_back[node], (now, i, step))
-                    if busy[node]:
-                        continue
                 else:  # a task finishes
                     step = -1 - step
                     busy[node] = False
@@ -263,7 +287,8 @@ class Simulator:
                         held[node] -= 1
                     if step + 1 < len(chain):
                         task = chain[step + 1]
-                        nxt, arrive = task[0], now + links[node][task[0]]
+                        nxt = task[0]
+                        arrive = now + links[node][nxt]
                         if busy[nxt] and until[nxt] > arrive:
                             # it will find nxt busy, and nothing is served there before then: queue it now
                             if rests is not None and until[nxt] + rests[i][step + 1] > limit:
@@ -275,29 +300,36 @@ class Simulator:
                             seq += 1
                     if not waiting_back[node] and not waiting_fwd[node]:
                         continue  # nothing to serve
-                if not pending[node]:
-                    pending[node] = True
-                    dispatch.append(node)
-                continue
-            node = dispatch.pop(0)
-            pending[node] = False
-            if busy[node]:
-                continue
-            back, fwd = waiting_back[node], waiting_fwd[node]
-            if back and back is not fwd:
-                ready, i, step = pop(back)
-            elif fwd and held[node] < memory:
-                ready, i, step = pop(fwd)
-                if chains[i][step][1]:
-                    held[node] += 1
+                if dispatch or (events and events[0][0] == now):
+                    if not pending[node]:
+                        pending[node] = True
+                        dispatch.append(node)
+                    continue
+                # nothing else is due at this instant: serve `node` now
+            elif dispatch:
+                node = dispatch.pop(0)
+                pending[node] = False
+                if busy[node]:
+                    continue
             else:
-                continue
+                break
+            back = waiting_back[node]
+            if back and not fifo:
+                ready, i, step = pop(back)
+            else:
+                fwd = waiting_fwd[node]
+                if fwd and held[node] < memory:
+                    ready, i, step = pop(fwd)
+                    if chains[i][step][1]:
+                        held[node] += 1
+                else:
+                    continue
             if rests is not None and now + rests[i][step] > limit:
                 return False
             queueing += now - ready
             busy[node] = True
-            until[node] = now + chains[i][step][2]
-            push(events, (until[node], seq, node, i, -1 - step))
+            until[node] = end = now + chains[i][step][2]
+            push(events, (end, seq, node, i, -1 - step))
             seq += 1
         state.seq, state.collisions, state.queueing, state.now = seq, collisions, queueing, now
         return True
@@ -329,6 +361,16 @@ def _result(ids: list[int], state: _State) -> SimResult:
     stuck = tuple(mb for mb in ids if mb not in finish)
     iteration = math.inf if stuck else max(finish.values(), default=0.0)
     return SimResult(iteration, MappingProxyType(finish), state.collisions, state.queueing, stuck)
+
+
+def _last_before(snapshots: tuple[_State, ...], moment: float) -> int:
+    """The index of the last snapshot taken at or before `moment` (the first if none is)."""
+    start = 0
+    for k, snapshot in enumerate(snapshots):
+        if snapshot.now > moment:
+            break
+        start = k
+    return start
 
 
 def _first_difference(old: Chain, new: Chain) -> int:

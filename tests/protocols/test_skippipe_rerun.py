@@ -95,3 +95,23 @@ def test_fifo_ignores_memory_and_serves_in_arrival_order() -> None:
     three = {0: (0, 2, 0), 1: (1, 2, 1), 2: (3, 2, 3)}
     assert simulate(three, w, memory=3).finish_s[0] == pytest.approx(3.95)
     assert simulate(three, w, memory=3, fifo=True).finish_s[0] == pytest.approx(4.95)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_retrace_equals_a_fresh_trace(seed: int) -> None:
+    """A trace continued from a kept rerun's divergence times the plan as a fresh trace does, and reruns
+    from it equal fresh runs (the planner retraces each plan it keeps)."""
+    view, rules, paths = random_case(seed)
+    rng = random.Random(1000 + seed)
+    simulator = Simulator(view, rules.memory, stride=rng.choice([None, 1, 3]))
+    trace = simulator.trace(paths)
+    for _ in range(4):
+        trial = changed(trace.paths, view, rng)
+        kept = simulator.retrace(trace, trial)
+        fresh = Simulator(view, rules.memory).trace(trial)
+        assert fields(kept.result) == fields(fresh.result)
+        assert kept.ends == fresh.ends
+        for _ in range(3):
+            other = changed(trial, view, rng)
+            assert fields(simulator.rerun(kept, other)) == fields(simulate(other, view, rules.memory))
+        trace = kept
