@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import run
 from swarm_harness import LocalTestSwarm, local_test_swarm
+from transport_harness import Swarm, running_swarm
+
+from swarmnode.transport import Transport
 
 TRAINED_STEPS = 6
 
@@ -31,3 +34,17 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, f
     )
     assert code == 0, output
     return out, json.loads(output.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def transports() -> Iterator[Swarm]:
+    """The transport tests' swarm of p2pd daemons and transports (`transport_harness.running_swarm`), one
+    per test module."""
+    with running_swarm() as swarm:
+        yield swarm
+
+
+@pytest.fixture(params=["libp2p", "direct"])
+def caller(request: pytest.FixtureRequest, transports: Swarm) -> Transport:
+    """The calling transport, once over libp2p streams and once over the direct TCP path."""
+    return transports.libp2p if request.param == "libp2p" else transports.direct

@@ -4,7 +4,6 @@ replacements did and that training went on."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import signal
@@ -15,7 +14,7 @@ from statistics import mean
 from typing import Any
 
 import torch
-from swarm_harness import LocalTestSwarm, NodeProcess, group_members, local_test_swarm, poll, stage_peers
+from swarm_harness import LocalTestSwarm, NodeProcess, group_members, poll, stage_peers
 
 from swarmnode.pieces import build_piece
 from swarmnode.presets import get_preset
@@ -30,11 +29,6 @@ TOKENS_PER_MICROBATCH = SPEC.batch_size * SPEC.seq_len
 ITERATION_BOUND_S = SPEC.iteration_timeout_s + 8.0  # the timeout, plus slack for a loaded machine
 START_S = 120.0  # bound for a process to come online on a loaded 2-core machine
 WINDOW = 5  # steps per loss window
-
-
-def failure_swarm(tmp_path: Path) -> contextlib.AbstractContextManager[LocalTestSwarm]:
-    """A test swarm's harness; on exit every process ended, the sockets SIGKILLed nodes left removed."""
-    return local_test_swarm(tmp_path / "swarm", prefix="fail")
 
 
 def start_swarm(

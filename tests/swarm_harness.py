@@ -361,14 +361,21 @@ def stage_peers(summary: dict[str, Any], stage: int) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def local_test_swarm(folder: Path, prefix: str = "test") -> Iterator[LocalTestSwarm]:
+def local_test_swarm(
+    folder: Path, prefix: str = "test", sockets_clean: bool = False
+) -> Iterator[LocalTestSwarm]:
     """A test swarm of a fresh run id; on exit every process it started is ended (and checked gone), and
-    the socket files of SIGKILLed nodes (which cannot remove their own) are removed."""
+    the socket files of SIGKILLed nodes (which cannot remove their own) are removed. With `sockets_clean`,
+    it also checks that no p2pd or test client left a socket file behind (beyond those the kills noted)."""
     harness = LocalTestSwarm(folder, run_id=f"{prefix}{uuid.uuid4().hex[:10]}")
     try:
         yield harness
     finally:
         harness.close()
-        harness.remove_leftover_sockets()
+        sockets = harness.remove_leftover_sockets()
         if harness.left_behind:
             raise AssertionError(f"processes left behind: {harness.left_behind}")
+        clients = swarm_clients.CLIENTS
+        ours = {path: name for path, name in sockets.items() if "p2pd" in path or name in clients}
+        if sockets_clean and ours:
+            raise AssertionError(f"socket files left behind: {ours}")

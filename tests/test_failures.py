@@ -27,8 +27,6 @@ through a replacement is read from its DHT record (`swarmnode status`): its step
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 from statistics import mean
 from typing import Any
 
@@ -43,7 +41,6 @@ from failure_scenarios import (
     assert_learning,
     assert_trained,
     assert_waited_meanwhile,
-    failure_swarm,
     initial_loss,
     initial_weights,
     join_auto,
@@ -61,12 +58,6 @@ from swarm_harness import HarnessError, LocalTestSwarm, poll
 from protocols.checkfree import reinit_seed
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
-    with failure_swarm(tmp_path) as harness:
-        yield harness
 
 
 # ---- a: a middle stage -------------------------------------------------------------------------------------

@@ -13,14 +13,12 @@ tests/protocols/test_bounds.py on the checks).
 from __future__ import annotations
 
 import math
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from state_clients import BURST, POISONS
-from swarm_clients import CLIENTS
-from swarm_harness import LocalTestSwarm, NodeProcess, poll
+from swarm_harness import LocalTestSwarm, NodeProcess, local_test_swarm, poll
 
 pytestmark = pytest.mark.integration
 
@@ -29,15 +27,9 @@ STEPS = 400  # far more than the test needs: the swarm is stopped when it ends
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
-    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"test{uuid.uuid4().hex[:10]}")
-    try:
+    """conftest's swarm, which here also checks that no p2pd or client socket file was left behind."""
+    with local_test_swarm(tmp_path / "swarm", sockets_clean=True) as harness:
         yield harness
-    finally:
-        harness.close()
-        sockets = harness.remove_leftover_sockets()
-        assert not harness.left_behind, f"processes left behind: {harness.left_behind}"
-        ours = {path: name for path, name in sockets.items() if "p2pd" in path or name in CLIENTS}
-        assert not ours, f"socket files left behind: {ours}"
 
 
 def stage_node(swarm: LocalTestSwarm, stage: int) -> tuple[NodeProcess, str]:

@@ -8,9 +8,7 @@ the namespaces made here and are deleted at the end of each test, failed or not.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,17 +36,6 @@ def network(can_build: None) -> Iterator[Network]:
     finally:
         net.close()
         assert not net.leftovers(), f"namespaces left behind: {net.leftovers()}"
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
-    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"netns{uuid.uuid4().hex[:10]}")
-    try:
-        yield harness
-    finally:
-        harness.close()
-        harness.remove_leftover_sockets()
-        assert not harness.left_behind, f"processes left behind: {harness.left_behind}"
 
 
 def daemon(swarm: LocalTestSwarm, host: Host, name: str, *args: str) -> NodeProcess:

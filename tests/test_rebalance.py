@@ -7,21 +7,13 @@ both leave), rejoins as stage 3 and rebuilds it; the other keeps stage 2, and tr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from failure_scenarios import START_S, failure_swarm, kill, start_swarm, wait_step, wait_steps_through
+from failure_scenarios import START_S, kill, start_swarm, wait_step, wait_steps_through
 from swarm_harness import LocalTestSwarm, NodeProcess, poll
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
-    with failure_swarm(tmp_path) as harness:
-        yield harness
 
 
 @pytest.mark.timeout(240)

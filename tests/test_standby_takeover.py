@@ -4,13 +4,9 @@ and training goes on through it. Every process is ended and checked gone by the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from failure_scenarios import (
     START_S,
-    failure_swarm,
     kill,
     start_swarm,
     wait_recovered,
@@ -20,12 +16,6 @@ from failure_scenarios import (
 from swarm_harness import LocalTestSwarm, poll
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
-    with failure_swarm(tmp_path) as harness:
-        yield harness
 
 
 @pytest.mark.timeout(240)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from statistics import mean
@@ -18,8 +17,7 @@ from typing import Any
 import pytest
 from procinfo import group_members, tcp_listeners_of, udp_sockets_of
 from prometheus_client.parser import text_string_to_metric_families
-from swarm_clients import CLIENTS
-from swarm_harness import LocalTestSwarm, NodeProcess, poll, stage_peers, step_losses
+from swarm_harness import LocalTestSwarm, NodeProcess, local_test_swarm, poll, stage_peers, step_losses
 
 from swarmnode import __version__
 
@@ -30,15 +28,9 @@ TINY_DIM = 128  # hidden size of the tiny preset: what its stage nodes accept
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalTestSwarm]:
-    harness = LocalTestSwarm(tmp_path / "swarm", run_id=f"test{uuid.uuid4().hex[:10]}")
-    try:
+    """conftest's swarm, which here also checks that no p2pd or client socket file was left behind."""
+    with local_test_swarm(tmp_path / "swarm", sockets_clean=True) as harness:
         yield harness
-    finally:
-        harness.close()
-        sockets = harness.remove_leftover_sockets()  # killed nodes cannot clean up their socket files
-        assert not harness.left_behind, f"processes left behind: {harness.left_behind}"
-        ours = {path: name for path, name in sockets.items() if "p2pd" in path or name in CLIENTS}
-        assert not ours, f"socket files left behind: {ours}"
 
 
 def assert_loopback_only(swarm: LocalTestSwarm) -> None:

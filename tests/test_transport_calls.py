@@ -7,32 +7,20 @@ its libp2p fallback, and arguments refused before anything is sent.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto.runtime_pb2 import CompressionType
-from transport_harness import LIBP2P, Swarm, call, echo, running_swarm
+from transport_harness import LIBP2P, Swarm, call, echo
 
 from swarmnode.transport import Compression, Transport, TransportConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
-@pytest.fixture(scope="module")
-def swarm() -> Iterator[Swarm]:
-    with running_swarm() as swarm:
-        yield swarm
-
-
-@pytest.fixture(params=["libp2p", "direct"])
-def caller(request: pytest.FixtureRequest, swarm: Swarm) -> Transport:
-    return swarm.libp2p if request.param == "libp2p" else swarm.direct
-
-
-def test_round_trip_small_and_large(swarm: Swarm, caller: Transport) -> None:
+def test_round_trip_small_and_large(transports: Swarm, caller: Transport) -> None:
     tensors = [
         torch.randn(3, 5),
         torch.randn(6 << 20 >> 2),  # 6 MiB: over hivemind's 4 MiB unary cap
@@ -44,7 +32,7 @@ def test_round_trip_small_and_large(swarm: Swarm, caller: Transport) -> None:
         torch.zeros(0, 4),
         torch.randn(4, 6).t(),  # not contiguous
     ]
-    meta, out = call(swarm, caller, "echo", b"\x00meta", tensors)
+    meta, out = call(transports, caller, "echo", b"\x00meta", tensors)
     assert meta == b"\x00meta"
     assert len(out) == len(tensors)
     for sent, got in zip(tensors, out, strict=True):
@@ -53,38 +41,38 @@ def test_round_trip_small_and_large(swarm: Swarm, caller: Transport) -> None:
     out[1].add_(1.0)  # received tensors are writable and own their memory
 
 
-def test_float16_on_the_wire_matches_hivemind(swarm: Swarm, caller: Transport) -> None:
+def test_float16_on_the_wire_matches_hivemind(transports: Swarm, caller: Transport) -> None:
     x = torch.randn(5 << 20 >> 2) * 1000
     x[:3] = torch.tensor([1e9, -1e9, float("inf")])
     ints = torch.arange(6)
-    _, (got, got_ints) = call(swarm, caller, "echo", b"", [x, ints], compression=Compression.FLOAT16)
+    _, (got, got_ints) = call(transports, caller, "echo", b"", [x, ints], compression=Compression.FLOAT16)
     hivemind = deserialize_torch_tensor(serialize_torch_tensor(x, CompressionType.FLOAT16))
     assert got.dtype == torch.float32 and torch.equal(got, hivemind)
     assert torch.equal(got_ints, ints)
 
 
-def test_several_methods_and_concurrent_calls(swarm: Swarm, caller: Transport) -> None:
+def test_several_methods_and_concurrent_calls(transports: Swarm, caller: Transport) -> None:
     pairs = [(torch.full((1000,), float(i)), torch.full((1000,), 2.0)) for i in range(24)]
 
     async def one(i: int) -> tuple[bytes, list[torch.Tensor]]:
         method = "add" if i % 2 else "mul"
-        return await caller.call(swarm.server.peer_id, method, b"", list(pairs[i]), 10.0)
+        return await caller.call(transports.server.peer_id, method, b"", list(pairs[i]), 10.0)
 
     async def all_of_them() -> list[tuple[bytes, list[torch.Tensor]]]:
         return await asyncio.gather(*(one(i) for i in range(len(pairs))))
 
-    results = swarm.run(all_of_them())
+    results = transports.run(all_of_them())
     for i, (meta, (out,)) in enumerate(results):
         a, b = pairs[i]
         assert meta == (b"sum" if i % 2 else b"product")
         assert torch.equal(out, a + b if i % 2 else a * b)
     opened = sum(caller.stats.streams_opened.values())
     for i in range(5):  # one at a time: an idle stream is reused every time
-        assert swarm.run(one(i))[0] in (b"sum", b"product")
+        assert transports.run(one(i))[0] in (b"sum", b"product")
     assert sum(caller.stats.streams_opened.values()) == opened
 
 
-def test_direct_path_is_used_and_bound_to_the_caller(swarm: Swarm) -> None:
+def test_direct_path_is_used_and_bound_to_the_caller(transports: Swarm) -> None:
     seen = []
 
     async def whoami(
@@ -93,22 +81,22 @@ def test_direct_path_is_used_and_bound_to_the_caller(swarm: Swarm) -> None:
         seen.append(peer_id)
         return b"", []
 
-    swarm.server.register("whoami", whoami)
-    call(swarm, swarm.direct, "whoami", b"", [])
-    call(swarm, swarm.libp2p, "whoami", b"", [])
-    assert seen == [swarm.direct.peer_id, swarm.libp2p.peer_id]
-    assert swarm.direct.stats.streams_opened["direct"] >= 1
-    assert swarm.libp2p.stats.streams_opened["direct"] == 0
+    transports.server.register("whoami", whoami)
+    call(transports, transports.direct, "whoami", b"", [])
+    call(transports, transports.libp2p, "whoami", b"", [])
+    assert seen == [transports.direct.peer_id, transports.libp2p.peer_id]
+    assert transports.direct.stats.streams_opened["direct"] >= 1
+    assert transports.libp2p.stats.streams_opened["direct"] == 0
 
 
-def test_direct_caller_falls_back_to_libp2p(swarm: Swarm) -> None:
+def test_direct_caller_falls_back_to_libp2p(transports: Swarm) -> None:
     async def scenario() -> None:
-        plain_p2p = await swarm.spawn()
+        plain_p2p = await transports.spawn()
         plain = Transport(plain_p2p, LIBP2P)  # serves over libp2p only
         plain.register("echo", echo)
         await plain.start()
         try:
-            meta, _ = await swarm.direct.call(plain.peer_id, "echo", b"hello", [], 10.0)
+            meta, _ = await transports.direct.call(plain.peer_id, "echo", b"hello", [], 10.0)
             assert meta == b"hello"
             assert (
                 plain.stats.errors_returned["unknown_method"] == 1
@@ -116,19 +104,19 @@ def test_direct_caller_falls_back_to_libp2p(swarm: Swarm) -> None:
         finally:
             await plain.close()
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_arguments_that_cannot_travel_fail_locally(swarm: Swarm) -> None:
-    peer = swarm.server.peer_id
+def test_arguments_that_cannot_travel_fail_locally(transports: Swarm) -> None:
+    peer = transports.server.peer_id
     with pytest.raises(TypeError, match="float64"):
-        swarm.run(swarm.libp2p.call(peer, "echo", b"", [torch.zeros(2, dtype=torch.float64)], 1.0))
+        transports.run(transports.libp2p.call(peer, "echo", b"", [torch.zeros(2, dtype=torch.float64)], 1.0))
     with pytest.raises(TypeError, match="meta"):
-        swarm.run(swarm.libp2p.call(peer, "echo", "text", [], 1.0))  # type: ignore[arg-type]
+        transports.run(transports.libp2p.call(peer, "echo", "text", [], 1.0))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_message_bytes"):
-        swarm.run(swarm.libp2p.call(peer, "echo", b"", [torch.zeros(17 << 20)], 1.0))
+        transports.run(transports.libp2p.call(peer, "echo", b"", [torch.zeros(17 << 20)], 1.0))
     with pytest.raises(ValueError, match="reserved"):
-        swarm.server.register("_direct", echo)
+        transports.server.register("_direct", echo)
 
 
 def test_config_is_checked() -> None:

@@ -11,43 +11,31 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 from hivemind.p2p import PeerID
-from transport_harness import DIRECT, LIBP2P, Swarm, call, echo, p2pd_children, running_swarm
+from transport_harness import DIRECT, LIBP2P, Swarm, call, echo, p2pd_children
 
 from swarmnode.transport import CallTimeout, PeerUnreachable, RemoteError, Transport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
-@pytest.fixture(scope="module")
-def swarm() -> Iterator[Swarm]:
-    with running_swarm() as swarm:
-        yield swarm
-
-
-@pytest.fixture(params=["libp2p", "direct"])
-def caller(request: pytest.FixtureRequest, swarm: Swarm) -> Transport:
-    return swarm.libp2p if request.param == "libp2p" else swarm.direct
-
-
-def test_handler_exception_reaches_the_caller(swarm: Swarm, caller: Transport) -> None:
+def test_handler_exception_reaches_the_caller(transports: Swarm, caller: Transport) -> None:
     with pytest.raises(RemoteError, match="ValueError: cannot handle this") as info:
-        call(swarm, caller, "fail", b"this", [])
+        call(transports, caller, "fail", b"this", [])
     assert info.value.kind == "handler_error"
     with pytest.raises(RemoteError) as info:
-        call(swarm, caller, "bad", b"", [])  # a reply that cannot travel is the handler's error
+        call(transports, caller, "bad", b"", [])  # a reply that cannot travel is the handler's error
     assert info.value.kind == "handler_error" and "float64" in info.value.message
     with pytest.raises(RemoteError) as info:
-        call(swarm, caller, "no-such-method", b"", [])
+        call(transports, caller, "no-such-method", b"", [])
     assert info.value.kind == "unknown_method"
-    assert call(swarm, caller, "echo", b"still serving", [])[0] == b"still serving"
+    assert call(transports, caller, "echo", b"still serving", [])[0] == b"still serving"
 
 
-def test_slow_handler_times_out_on_both_sides(swarm: Swarm, caller: Transport) -> None:
+def test_slow_handler_times_out_on_both_sides(transports: Swarm, caller: Transport) -> None:
     outcome: list[str] = []
 
     async def slow(
@@ -61,48 +49,48 @@ def test_slow_handler_times_out_on_both_sides(swarm: Swarm, caller: Transport) -
         return b"", []
 
     name = f"slow-{id(caller)}"
-    swarm.server.register(name, slow)
+    transports.server.register(name, slow)
     start = time.monotonic()
     with pytest.raises(CallTimeout):
-        call(swarm, caller, name, b"", [], timeout=0.3)
+        call(transports, caller, name, b"", [], timeout=0.3)
     assert time.monotonic() - start < 2.0  # the call allows 0.3 s; the server would take 30
-    swarm.run(asyncio.sleep(0.2))
+    transports.run(asyncio.sleep(0.2))
     assert outcome == ["cancelled"]  # the server bounded the handler by the caller's timeout
-    assert call(swarm, caller, "echo", b"after", [])[0] == b"after"
+    assert call(transports, caller, "echo", b"after", [])[0] == b"after"
 
 
-def test_dead_peer_fails_fast(swarm: Swarm, caller: Transport) -> None:
+def test_dead_peer_fails_fast(transports: Swarm, caller: Transport) -> None:
     async def scenario() -> float:
-        doomed_p2p = await swarm.spawn()
+        doomed_p2p = await transports.spawn()
         doomed = Transport(doomed_p2p, DIRECT)
         doomed.register("echo", echo)
         await doomed.start()
         await caller.call(doomed.peer_id, "echo", b"", [], 10.0)  # pooled streams now exist
         await doomed.close()
         await doomed_p2p.shutdown()
-        swarm.p2ps.remove(doomed_p2p)
+        transports.p2ps.remove(doomed_p2p)
         start = time.monotonic()
         with pytest.raises(PeerUnreachable):
             await caller.call(doomed.peer_id, "echo", b"", [], 10.0)
         return time.monotonic() - start
 
-    assert swarm.run(scenario()) < 2.0  # typically about 10 ms, against a 10 s timeout
+    assert transports.run(scenario()) < 2.0  # typically about 10 ms, against a 10 s timeout
 
 
-def test_unknown_peer_fails_fast(swarm: Swarm) -> None:
+def test_unknown_peer_fails_fast(transports: Swarm) -> None:
     stranger = PeerID.from_base58("QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN")
     start = time.monotonic()
     with pytest.raises(PeerUnreachable):
-        swarm.run(swarm.libp2p.call(stranger, "echo", b"", [], 10.0))
+        transports.run(transports.libp2p.call(stranger, "echo", b"", [], 10.0))
     assert time.monotonic() - start < 2.0
 
 
-def test_frozen_peer_times_out(swarm: Swarm) -> None:
-    caller = swarm.libp2p  # the direct path needs a frozen process, not just a frozen p2pd
+def test_frozen_peer_times_out(transports: Swarm) -> None:
+    caller = transports.libp2p  # the direct path needs a frozen process, not just a frozen p2pd
 
     async def scenario() -> None:
         before = p2pd_children()
-        frozen_p2p = await swarm.spawn()
+        frozen_p2p = await transports.spawn()
         (pid,) = p2pd_children() - before
         frozen = Transport(frozen_p2p, LIBP2P)
         frozen.register("echo", echo)
@@ -118,13 +106,13 @@ def test_frozen_peer_times_out(swarm: Swarm) -> None:
             os.kill(pid, signal.SIGCONT)
             await frozen.close()
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_too_many_streams_from_one_peer_are_refused(swarm: Swarm) -> None:
+def test_too_many_streams_from_one_peer_are_refused(transports: Swarm) -> None:
     # A second transport on an existing p2pd, under its own protocol id, serving one stream per peer.
     config = dataclasses.replace(LIBP2P, protocol="swarmnode.test.narrow", max_inbound_per_peer=1)
-    narrow, client = Transport(swarm.p2ps[3], config), Transport(swarm.p2ps[1], config)
+    narrow, client = Transport(transports.p2ps[3], config), Transport(transports.p2ps[1], config)
     release = asyncio.Event()
 
     async def hold(
@@ -149,4 +137,4 @@ def test_too_many_streams_from_one_peer_are_refused(swarm: Swarm) -> None:
             await client.close()
             await narrow.close()
 
-    swarm.run(scenario())
+    transports.run(scenario())

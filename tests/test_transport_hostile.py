@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -29,7 +28,6 @@ from transport_harness import (
     guarded,
     honest_call,
     open_raw,
-    running_swarm,
     until,
 )
 
@@ -45,12 +43,6 @@ from swarmnode.transport._framing import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-
-
-@pytest.fixture(scope="module")
-def swarm() -> Iterator[Swarm]:
-    with running_swarm() as swarm:
-        yield swarm
 
 
 def _prefix(kind: int, head_len: int, body_len: int, magic: bytes = MAGIC, version: int = VERSION) -> bytes:
@@ -104,23 +96,23 @@ async def _send_raw(p2p: P2P, server: PeerID, payload: bytes) -> Any:
         writer.close()
 
 
-def test_garbage_is_rejected_and_the_server_keeps_serving(swarm: Swarm) -> None:
-    lenient, raw_client = swarm.lenient, swarm.p2ps[1]  # lenient: bans nobody
+def test_garbage_is_rejected_and_the_server_keeps_serving(transports: Swarm) -> None:
+    lenient, raw_client = transports.lenient, transports.p2ps[1]  # lenient: bans nobody
 
     async def scenario() -> None:
         for reason, payload in GARBAGE.items():
             head = await _send_raw(raw_client, lenient.peer_id, payload)
             assert getattr(head, "code", None) == "bad_request", reason
             assert len(head.message) < 300, reason  # what a peer sent is quoted short
-            meta, _ = await swarm.libp2p.call(lenient.peer_id, "echo", reason.encode(), [], 5.0)
+            meta, _ = await transports.libp2p.call(lenient.peer_id, "echo", reason.encode(), [], 5.0)
             assert meta == reason.encode()
 
-    swarm.run(scenario())
+    transports.run(scenario())
     assert lenient.stats.errors_returned["bad_request"] == len(GARBAGE)
 
 
-def test_a_body_over_its_method_limit_is_refused_before_it_is_read(swarm: Swarm) -> None:
-    lenient, raw_client = swarm.lenient, swarm.p2ps[1]
+def test_a_body_over_its_method_limit_is_refused_before_it_is_read(transports: Swarm) -> None:
+    lenient, raw_client = transports.lenient, transports.p2ps[1]
     fits = [torch.arange(SMALL_BODY_BYTES // 4, dtype=torch.float32)]
 
     async def scenario() -> None:
@@ -131,32 +123,34 @@ def test_a_body_over_its_method_limit_is_refused_before_it_is_read(swarm: Swarm)
                 raw_client, lenient.peer_id, _prefix(Kind.REQUEST, len(head_bytes), body_len) + head_bytes
             )
             assert head.code == "bad_request" and "at most" in head.message, (method, head)
-        _, out = await swarm.libp2p.call(lenient.peer_id, "small", b"", fits, 5.0)
+        _, out = await transports.libp2p.call(lenient.peer_id, "small", b"", fits, 5.0)
         assert torch.equal(out[0], fits[0])
         with pytest.raises(RemoteError) as info:  # an unknown method with a small body: just unknown
-            await swarm.libp2p.call(lenient.peer_id, "no-such-method", b"", fits, 5.0)
+            await transports.libp2p.call(lenient.peer_id, "no-such-method", b"", fits, 5.0)
         assert info.value.kind == "unknown_method"
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_malformed_frame_bans_the_sender(swarm: Swarm) -> None:
+def test_malformed_frame_bans_the_sender(transports: Swarm) -> None:
     async def scenario() -> None:
-        mallory = await swarm.spawn()
-        head = await _send_raw(mallory, swarm.server.peer_id, GARBAGE["dtype not allowed"])
+        mallory = await transports.spawn()
+        head = await _send_raw(mallory, transports.server.peer_id, GARBAGE["dtype not allowed"])
         assert head.code == "bad_request"
         with pytest.raises(RemoteError) as info:
-            await Transport(mallory, LIBP2P).call(swarm.server.peer_id, "echo", b"", [], 5.0)
+            await Transport(mallory, LIBP2P).call(transports.server.peer_id, "echo", b"", [], 5.0)
         assert info.value.kind == "banned"
-        assert swarm.server.is_banned(mallory.peer_id)
-        meta, _ = await swarm.libp2p.call(swarm.server.peer_id, "echo", b"others are served", [], 5.0)
+        assert transports.server.is_banned(mallory.peer_id)
+        meta, _ = await transports.libp2p.call(
+            transports.server.peer_id, "echo", b"others are served", [], 5.0
+        )
         assert meta == b"others are served"
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_stalled_and_truncated_frames_are_dropped(swarm: Swarm) -> None:
-    lenient, raw_client = swarm.lenient, swarm.p2ps[1]
+def test_stalled_and_truncated_frames_are_dropped(transports: Swarm) -> None:
+    lenient, raw_client = transports.lenient, transports.p2ps[1]
     valid = b"".join(bytes(part) for part in encode_request("echo", 5.0, 0, b"", [torch.zeros(4)], 0))
 
     async def scenario() -> None:
@@ -175,13 +169,13 @@ def test_stalled_and_truncated_frames_are_dropped(swarm: Swarm) -> None:
             assert await reader.read() == b""
         assert 0.3 < time.monotonic() - start < 3.0
         writer.close()
-        meta, _ = await swarm.libp2p.call(lenient.peer_id, "echo", b"ok", [], 5.0)
+        meta, _ = await transports.libp2p.call(lenient.peer_id, "echo", b"ok", [], 5.0)
         assert meta == b"ok"
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_garbage_reply_is_a_protocol_error(swarm: Swarm) -> None:
+def test_garbage_reply_is_a_protocol_error(transports: Swarm) -> None:
     async def liar(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(1)
         writer.write(_raw_frame([b"", [["float32", 0, [1000]]]], bytes(8), kind=Kind.RESPONSE))
@@ -189,16 +183,16 @@ def test_garbage_reply_is_a_protocol_error(swarm: Swarm) -> None:
         writer.close()
 
     async def scenario() -> None:
-        mallory = await swarm.spawn()
+        mallory = await transports.spawn()
         await mallory.add_binary_stream_handler(SERVER_CONFIG.protocol, liar)
         with pytest.raises(WireError, match="bytes"):
-            await swarm.libp2p.call(mallory.peer_id, "echo", b"", [], 5.0)
+            await transports.libp2p.call(mallory.peer_id, "echo", b"", [], 5.0)
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_forged_direct_connections_are_refused(swarm: Swarm) -> None:
-    port = swarm.server._listener.port
+def test_forged_direct_connections_are_refused(transports: Swarm) -> None:
+    port = transports.server._listener.port
     request = b"".join(bytes(part) for part in encode_request("echo", 5.0, 0, b"", [], 0))
 
     async def scenario() -> None:
@@ -208,13 +202,13 @@ def test_forged_direct_connections_are_refused(swarm: Swarm) -> None:
             async with asyncio.timeout(5):
                 assert await reader.read() == b""  # closed without an answer
             writer.close()
-        meta, _ = await swarm.direct.call(swarm.server.peer_id, "echo", b"ok", [], 5.0)
+        meta, _ = await transports.direct.call(transports.server.peer_id, "echo", b"ok", [], 5.0)
         assert meta == b"ok"
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_a_garbage_reply_of_an_absurd_empty_shape_is_a_protocol_error(swarm: Swarm) -> None:
+def test_a_garbage_reply_of_an_absurd_empty_shape_is_a_protocol_error(transports: Swarm) -> None:
     # e.g. a hostile answer to a joiner's ping: it must fail that call, not the joiner
     async def liar(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(1)
@@ -223,12 +217,12 @@ def test_a_garbage_reply_of_an_absurd_empty_shape_is_a_protocol_error(swarm: Swa
         writer.close()
 
     async def scenario() -> None:
-        mallory = await swarm.spawn()
+        mallory = await transports.spawn()
         await mallory.add_binary_stream_handler(SERVER_CONFIG.protocol, liar)
         with pytest.raises(WireError, match="elements"):
-            await swarm.libp2p.call(mallory.peer_id, "ping", b"", [], 5.0)
+            await transports.libp2p.call(mallory.peer_id, "ping", b"", [], 5.0)
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
 def _head_only(method: str, body_len: int) -> bytes:
@@ -237,11 +231,11 @@ def _head_only(method: str, body_len: int) -> bytes:
     return _prefix(Kind.REQUEST, len(head), body_len) + head
 
 
-def test_silent_streams_past_the_cap_leave_others_served(swarm: Swarm) -> None:
-    mallory, trudy = swarm.p2ps[1], swarm.p2ps[0]  # two attacking identities
+def test_silent_streams_past_the_cap_leave_others_served(transports: Swarm) -> None:
+    mallory, trudy = transports.p2ps[1], transports.p2ps[0]  # two attacking identities
 
     async def scenario() -> None:
-        async with guarded(swarm, "silent") as (server, client):
+        async with guarded(transports, "silent") as (server, client):
             stats = server.stats
             # Mallory opens twice her 4 streams and sends nothing: each newer one closes her oldest.
             streams = [await open_raw(mallory, server) for _ in range(4)]
@@ -280,11 +274,11 @@ def test_silent_streams_past_the_cap_leave_others_served(swarm: Swarm) -> None:
             for writer in busy + [writer for _, writer in streams]:
                 writer.close()
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_a_body_under_the_rate_floor_is_dropped(swarm: Swarm) -> None:
-    mallory = swarm.p2ps[1]
+def test_a_body_under_the_rate_floor_is_dropped(transports: Swarm) -> None:
+    mallory = transports.p2ps[1]
 
     async def trickle(writer: asyncio.StreamWriter) -> None:
         while True:  # 2 KB/s: the attacker's pace, a fifth of the floor
@@ -293,7 +287,7 @@ def test_a_body_under_the_rate_floor_is_dropped(swarm: Swarm) -> None:
             await asyncio.sleep(0.05)
 
     async def scenario() -> None:
-        async with guarded(swarm, "slow", min_body_rate=10_000.0, body_grace=0.5) as (server, client):
+        async with guarded(transports, "slow", min_body_rate=10_000.0, body_grace=0.5) as (server, client):
             reader, writer = await open_raw(mallory, server)
             writer.write(_head_only("echo", 1 << 20))  # the request allows 30 s; the floor, far less
             start = time.monotonic()
@@ -307,15 +301,15 @@ def test_a_body_under_the_rate_floor_is_dropped(swarm: Swarm) -> None:
             assert server.stats.dropped["slow_body"] == 1 and server.stats.inbound_bytes == 0
             await honest_call(server, client)
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_an_announced_body_costs_only_the_bytes_that_arrive(swarm: Swarm) -> None:
-    mallory = swarm.p2ps[1]
+def test_an_announced_body_costs_only_the_bytes_that_arrive(transports: Swarm) -> None:
+    mallory = transports.p2ps[1]
     announced, sent = 32 << 20, 4096  # an `average`-sized head, then a few bytes
 
     async def scenario() -> None:
-        async with guarded(swarm, "budget", max_inbound_bytes_per_peer=48 << 20) as (server, client):
+        async with guarded(transports, "budget", max_inbound_bytes_per_peer=48 << 20) as (server, client):
             stats = server.stats
             reader, writer = await open_raw(mallory, server)
             writer.write(_head_only("echo", announced) + bytes(sent))
@@ -333,12 +327,12 @@ def test_an_announced_body_costs_only_the_bytes_that_arrive(swarm: Swarm) -> Non
             assert head.code == "overloaded" and stats.refused["bytes"] == 1
             await honest_call(server, client)
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_oversized_meta_is_refused_per_method(swarm: Swarm) -> None:
+def test_oversized_meta_is_refused_per_method(transports: Swarm) -> None:
     async def scenario() -> None:
-        async with guarded(swarm, "meta", max_meta_bytes=1024) as (server, client):
+        async with guarded(transports, "meta", max_meta_bytes=1024) as (server, client):
             server.register("roomy", echo, max_meta_bytes=4096)
             for method, size in (("echo", 1025), ("roomy", 4097)):
                 with pytest.raises(RemoteError) as info:
@@ -348,10 +342,10 @@ def test_oversized_meta_is_refused_per_method(swarm: Swarm) -> None:
             await honest_call(server, client, bytes(1024))
             assert server.stats.refused["malformed"] == 2
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_error_texts_are_cut_both_ways(swarm: Swarm) -> None:
+def test_error_texts_are_cut_both_ways(transports: Swarm) -> None:
     async def verbose(peer_id: PeerID, meta: bytes, tensors: list[torch.Tensor]) -> Any:
         raise ValueError("x" * (1 << 20))
 
@@ -362,25 +356,27 @@ def test_error_texts_are_cut_both_ways(swarm: Swarm) -> None:
         writer.close()
 
     async def scenario() -> None:
-        async with guarded(swarm, "verbose") as (server, client):
+        async with guarded(transports, "verbose") as (server, client):
             server.register("verbose", verbose)
             with pytest.raises(RemoteError) as info:  # cut by the server before it is sent
                 await client.call(server.peer_id, "verbose", b"", [], 5.0)
             assert info.value.kind == "handler_error" and len(info.value.message) <= MAX_ERROR_CHARS
-        mallory = await swarm.spawn()
+        mallory = await transports.spawn()
         await mallory.add_binary_stream_handler(SERVER_CONFIG.protocol, liar)
         with pytest.raises(RemoteError) as info:  # cut by the caller when it is received
-            await swarm.libp2p.call(mallory.peer_id, "echo", b"", [], 5.0)
+            await transports.libp2p.call(mallory.peer_id, "echo", b"", [], 5.0)
         assert len(info.value.message) <= MAX_ERROR_CHARS
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
-def test_a_flood_of_direct_hellos_is_capped(swarm: Swarm) -> None:
+def test_a_flood_of_direct_hellos_is_capped(transports: Swarm) -> None:
     async def scenario() -> None:
-        async with guarded(swarm, "hellos", max_pending_hellos=4) as (server, _):
+        async with guarded(transports, "hellos", max_pending_hellos=4) as (server, _):
             port = server._listener.port
-            honest = Transport(swarm.p2ps[2], dataclasses.replace(server._config, direct_host="127.0.0.1"))
+            honest = Transport(
+                transports.p2ps[2], dataclasses.replace(server._config, direct_host="127.0.0.1")
+            )
             connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(6)]
             for reader, _ in connections[:2]:  # the oldest two were closed for newer ones
                 await closed_by_server(reader)
@@ -393,7 +389,7 @@ def test_a_flood_of_direct_hellos_is_capped(swarm: Swarm) -> None:
                 for _, writer in connections:
                     writer.close()
 
-    swarm.run(scenario())
+    transports.run(scenario())
 
 
 def test_config_refuses_nonsense() -> None:

@@ -1,7 +1,7 @@
 """A handler's `Reply.written` over real p2pd: a state transfer's slot is held until its reply is written.
 
 A real tiny stage's StateServer (`state_donor.TinyDonor`, one Adam step taken so that its reply is about
-10 MB, far more than the streams buffer) serves "state" on the swarm's server p2pd. Two callers ask and read
+10 MB, far more than the streams buffer) serves "state" on the harness's server p2pd. Two callers ask and read
 only the head of their replies; while they stall, a third peer is refused as busy (two transfers in all) and
 so is a second request of a stalled one (one per peer). One reader then reads its reply to the end, the other
 never does: each slot frees when its write ends, by completion or at the request's deadline.
@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 from hivemind.p2p import P2P
 from state_donor import TinyDonor
-from transport_harness import LIBP2P, LIMITS, Swarm, open_raw, running_swarm, until
+from transport_harness import LIBP2P, LIMITS, Swarm, open_raw, until
 
 from protocols.messages import Error, ErrorCode, StatePart, StateRequest, StateTransfer, decode, encode
 from swarmnode.node.checks import Rejected
@@ -30,13 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 STALL_TIMEOUT_S = 3.0  # the never-reading caller's request timeout: its write is cut off after this
 PARTS = (StatePart.WEIGHTS, StatePart.OPTIMIZER)
-CONFIG = dataclasses.replace(LIBP2P, protocol="swarmnode.test.state")  # the swarm's server has the default
-
-
-@pytest.fixture(scope="module")
-def swarm() -> Iterator[Swarm]:
-    with running_swarm() as swarm:
-        yield swarm
+CONFIG = dataclasses.replace(LIBP2P, protocol="swarmnode.test.state")  # the harness server has the default
 
 
 def request(timeout: float) -> bytes:
@@ -68,8 +61,8 @@ async def ask(client: Transport, server: Transport) -> str:
     return "ok"
 
 
-def test_a_slot_is_held_until_the_reply_is_written_or_its_write_times_out(swarm: Swarm) -> None:
-    p2ps = swarm.p2ps  # 0 serves; 1 and 2 stall; 3 asks as a third peer
+def test_a_slot_is_held_until_the_reply_is_written_or_its_write_times_out(transports: Swarm) -> None:
+    p2ps = transports.p2ps  # 0 serves; 1 and 2 stall; 3 asks as a third peer
     donor = TinyDonor.build(1, tuple(str(p2p.peer_id) for p2p in p2ps[1:]))
     for param in donor.piece.parameters():
         param.grad = torch.randn_like(param) * 1e-3
@@ -114,4 +107,4 @@ def test_a_slot_is_held_until_the_reply_is_written_or_its_write_times_out(swarm:
                 await transport.close()
             await donor.compute.close()
 
-    swarm.run(scenario())
+    transports.run(scenario())
