@@ -136,7 +136,7 @@ def assert_learning(data: NodeProcess, killed: float) -> None:
 
 def assert_waited_meanwhile(data: NodeProcess, stage: int, killed: float, recovered: float) -> None:
     """After the kill no iteration waited past the bound, and none trained past the lost stage: a run that
-    skips nothing (`SPEC.skip_ratio` 0) waits for its rebuild (`planning.RebuildWait`), so every path of an
+    skips nothing (`SPEC.skip_ratio` 0) waits for its rebuild (`membership.RebuildWait`), so every path of an
     iteration planned once the dead node's record had expired (TTL, then a refresh of the data node's view)
     and before the replacement announced itself still visits the stage (there may be none)."""
     after = steps_between(data, killed)

@@ -47,6 +47,7 @@ from protocols.iteration_events import (
     Tick,
     Unsent,
 )
+from protocols.membership import RebuildWait
 from protocols.messages import MAX_NONCE, Ack, Backward, ErrorCode, Forward, Route, encode
 from protocols.stepbook import MicrobatchKey
 from swarmnode.data import Corpus, batches, data_node_tokens, validation_set
@@ -58,11 +59,12 @@ from swarmnode.node.events import emit
 from swarmnode.node.iteration import Running, running
 from swarmnode.node.liveness import unanswered
 from swarmnode.node.planning import (
+    REBUILD_WAIT_S,
     PlannedMicrobatch,
-    RebuildWait,
     lost_stages,
     not_ready_to_start,
     plan_iteration,
+    rebuild_waits,
 )
 from swarmnode.node.worker import DataWorker
 from swarmnode.precision import Overflow
@@ -94,7 +96,7 @@ class DataNode(Node):
         self.iteration = 0
         self._evaluations = 0
         self._current: Running | None = None  # the latest iteration (closed ones refuse everything)
-        self._rebuild = RebuildWait()
+        self._rebuild = RebuildWait(REBUILD_WAIT_S)
         self.val_loss: float | None = None
         self.routes_reported = 0  # re-routes that stage nodes reported (`Route`)
 
@@ -120,7 +122,7 @@ class DataNode(Node):
                 break
             self.optimizer.advance(self.iteration)
             view = self.view().without(self.router.suspects())
-            if self._rebuild.waits(lost_stages(view, self.spec), time.monotonic()):
+            if rebuild_waits(self._rebuild, lost_stages(view, self.spec), time.monotonic()):
                 await asyncio.sleep(self.spec.record_period_s)
                 await self.refresh_snapshot()
                 continue

@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from protocols import membership
 from protocols.checkfree import swap_edge_pairs, swaps_edge_pairs
 from protocols.errors import LocalProtocolError
 from protocols.messages import NodeState
@@ -28,9 +29,10 @@ from swarmnode.runspec import RunSpec
 
 logger = logging.getLogger(__name__)
 
+REBUILD_WAIT_S = 180.0  # how long a data node of a run that skips nothing waits for a lost stage's rebuild
+
 LOOPBACK_LINK_S = 0.002  # one activation hop on loopback, where no node measured the link (`link_costs`)
 DEFAULT_FORWARD_S = 0.05
-REBUILD_WAIT_S = 180.0  # how long a data node of a run that skips nothing waits for a lost stage's rebuild
 
 
 @dataclass(frozen=True)
@@ -192,36 +194,21 @@ def not_ready_to_start(snapshot: Snapshot, me: str, spec: RunSpec) -> list[str]:
 
 
 def lost_stages(snapshot: Snapshot, spec: RunSpec) -> list[int]:
-    """The transformer stages with no online node that a data node of this run waits for rather than
-    train past: all of them in a run that skips nothing (`skip_ratio` 0: its model never learnt to do
-    without a stage, and its other stages would learn from paths that it will not use again once the
-    stage is rebuilt), none in a run that skips (SkipPipe's paths route around a lost stage)."""
-    if spec.skip_ratio > 0:
-        return []
-    return [k for k in range(1, spec.stages + 1) if not snapshot.online(k)]
+    """The stages this run's data nodes wait for, as `snapshot` shows the swarm
+    (`membership.stages_to_wait_for`)."""
+    online = [k for k in range(1, spec.stages + 1) if snapshot.online(k)]
+    return membership.stages_to_wait_for(online, spec.stages, spec.skip_ratio)
 
 
-class RebuildWait:
-    """Whether a data node waits, rather than train past the `lost_stages`, for their rebuild: from the first
-    time it finds one lost, for at most `limit_s`; after that (no node rebuilds them) it trains past them,
-    as a run that skips does. A default `up` (stage 2 killed at step 100 of 200, down 27 s) that trained
-    past it ended 3% behind the single process; see docs/design.md, "Failures and recovery"."""
-
-    def __init__(self, limit_s: float = REBUILD_WAIT_S) -> None:
-        self.limit_s = limit_s
-        self._since: float | None = None
-
-    def waits(self, lost: Sequence[int], now: float) -> bool:
-        if not lost:
-            if self._since is not None:
-                logger.info("every stage is online again after %.1f s: training", now - self._since)
-            self._since = None
-            return False
-        if self._since is None:
-            self._since = now
-            names = ", ".join(f"stage {k}" for k in lost)
-            logger.info("%s has no online node: waiting up to %.0f s for a rebuild", names, self.limit_s)
-        return now - self._since < self.limit_s
+def rebuild_waits(wait: membership.RebuildWait, lost: Sequence[int], now: float) -> bool:
+    """`wait`'s decision for the `lost` stages at `now`, logged when a wait begins and when it ends."""
+    update = wait.update(lost, now)
+    if update.began:
+        names = ", ".join(f"stage {k}" for k in lost)
+        logger.info("%s has no online node: waiting up to %.0f s for a rebuild", names, wait.limit_s)
+    if update.ended_after_s is not None:
+        logger.info("every stage is online again after %.1f s: training", update.ended_after_s)
+    return update.waits
 
 
 def link_costs(snapshot: Snapshot, peers: Sequence[str]) -> Callable[[int, int], float]:

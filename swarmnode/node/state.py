@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from protocols._arraymap import layout_mismatch
 from protocols.bounds import drift_problem, moments_problem, size_problem
 from protocols.manifest import TensorSpec
 from protocols.messages import StatePart
@@ -81,10 +82,9 @@ def unpack(specs: tuple[TensorSpec, ...], tensors: list[Tensor]) -> TensorMap:
 
 def check_layout(reference: TensorMap, received: TensorMap, what: str) -> None:
     """Raise StateMismatch unless `received` has exactly `reference`'s names and shapes, all finite."""
-    if set(received) != set(reference):
-        missing = sorted(set(reference) - set(received))[:3]
-        extra = sorted(set(received) - set(reference))[:3]
-        raise StateMismatch(f"{what}: names differ (missing {missing}, unexpected {extra})")
+    problem = layout_mismatch(reference, received)
+    if problem is not None:
+        raise StateMismatch(f"{what}: {problem}")
     for name, tensor in received.items():
         check_tensor(tuple(reference[name].shape), tensor, f"{what}: {name}")
 

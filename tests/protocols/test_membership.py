@@ -3,6 +3,7 @@ claim to a rival, spotting a lost stage and moving there, with the races the dae
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 
@@ -20,12 +21,15 @@ from protocols.membership import (
     Probed,
     Rebalance,
     RebalancePhase,
+    RebuildWait,
     StageClaim,
     Take,
     Viewed,
     Wait,
+    WaitUpdate,
     choose_stage,
     leaves_claim,
+    stages_to_wait_for,
 )
 from protocols.messages import NodeState
 
@@ -292,3 +296,25 @@ def test_a_failed_probe_is_started_over_and_stray_answers_are_refused() -> None:
         machine.handle(answers(s1=("a",)))  # stage 3 probed, not answered
     with pytest.raises(LocalProtocolError):
         Rebalance(me="a", stage=0, stages=3, max_delay_s=1.0, rng=random.Random(0))
+
+
+# ---- a data node's wait for a lost stage's rebuild ---------------------------------------------------------
+
+
+def test_a_run_that_skips_nothing_waits_for_every_lost_stage() -> None:
+    assert stages_to_wait_for({1, 3}, stages=3, skip_ratio=0.0) == [2]
+    assert stages_to_wait_for(set(), stages=3, skip_ratio=0.0) == [1, 2, 3]
+    assert stages_to_wait_for({1, 3}, stages=3, skip_ratio=0.25) == []  # its paths skip past it
+
+
+def test_the_wait_for_a_rebuild_is_bounded_and_starts_again_for_a_later_loss() -> None:
+    wait = RebuildWait(limit_s=60.0)
+    assert wait.update([2], now=100.0) == WaitUpdate(True, began=True)
+    assert wait.update([2], now=159.0) == WaitUpdate(True)
+    assert wait.update([2], now=160.0) == WaitUpdate(False)  # nobody rebuilt it: train past it
+    assert wait.update([], now=161.0) == WaitUpdate(False, ended_after_s=61.0)
+    assert wait.update([], now=162.0) == WaitUpdate(False)
+    assert wait.update([3], now=200.0) == WaitUpdate(True, began=True)  # a later loss waits its own time
+    assert wait.update([3], now=259.5).waits
+    with pytest.raises(LocalProtocolError, match="limit_s"):
+        RebuildWait(limit_s=math.inf)
