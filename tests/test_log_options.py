@@ -1,5 +1,6 @@
-"""`-v`, `--log-level` and `--log-file` on `bootstrap`, `join` and `export`: the level filters swarmnode's log
-lines, the file receives them instead of stderr, and bad values are one-line usage errors."""
+"""`-v`, `--log-level` and `--log-file` on `bootstrap`, `join`, `export`, `up` and `train`: the level filters
+swarmnode's log lines, the file receives them instead of stderr, and bad values are one-line usage errors;
+`up` hands the level to its daemons."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 from cli_helpers import one_line_usage_error, run
+
+from swarmnode.launcher.config import SwarmConfig
 
 PROBE = """
 import logging, sys
@@ -48,3 +51,14 @@ def test_bad_logging_options_are_one_line_usage_errors(tmp_path: Path) -> None:
     one_line_usage_error(*run("join", "--stage", "1", "--log-level", "loud"), "--log-level", "loud")
     missing = tmp_path / "no" / "such" / "dir" / "node.log"
     one_line_usage_error(*run("bootstrap", "--log-file", str(missing)), "--log-file", "cannot write")
+
+
+def test_up_and_train_take_the_logging_options_and_up_hands_the_level_to_its_daemons(tmp_path: Path) -> None:
+    one_line_usage_error(*run("up", "--log-level", "loud"), "--log-level", "loud")
+    missing = tmp_path / "no" / "such" / "dir" / "up.log"
+    one_line_usage_error(*run("train", "--log-file", str(missing)), "--log-file", "cannot write")
+    quiet, loud = SwarmConfig(), SwarmConfig(log_level="debug")
+    for argv in (quiet.bootstrap_argv(), quiet.join_argv(1, None)):
+        assert "--log-level" not in argv
+    for argv in (loud.bootstrap_argv(), loud.join_argv(1, None), loud.join_argv(None, None, standby=True)):
+        assert argv[argv.index("--log-level") + 1] == "debug"

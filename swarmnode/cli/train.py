@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
+from swarmnode.cli.log_options import logging_options
 from swarmnode.cli.options import (
     init_from_or_fail,
     init_tokenizer_or_fail,
@@ -22,6 +23,7 @@ from swarmnode.source_spec import DataSource, SourceSpecError
 
 
 @click.command()
+@logging_options
 @click.option("--preset", default="tiny", show_default=True, help="Model preset name.")
 @click.option(
     "--stages", type=click.IntRange(min=1), default=None, help="Transformer stages (default: the preset's)."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import sys
@@ -12,6 +13,7 @@ import click
 
 from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.config_file import config_option
+from swarmnode.cli.log_options import logging_options
 from swarmnode.cli.network_options import read_network
 from swarmnode.cli.options import preset_or_fail, stages_or_fail
 from swarmnode.launcher import (
@@ -53,6 +55,7 @@ class FiniteFloatRange(click.FloatRange):
 
 @click.command()
 @config_option
+@logging_options
 @click.option("--preset", default="tiny", show_default=True, help="Model preset name.")
 @click.option(
     "--stages", type=click.IntRange(min=1), default=None, help="Transformer stages (default: the preset's)."
@@ -217,6 +220,7 @@ def up(
         timeout=timeout,
         stall_timeout=stall_timeout or None,
         skip_ratio=skip_ratio,
+        log_level=_daemon_log_level(),
     )
     if network is not None:
         config = replace(config, network=network, placement=_placement_or_fail(network, config))
@@ -227,6 +231,13 @@ def up(
         sys.exit(128 + (result.signum or signal.SIGINT))
     if result.outcome is not RunOutcome.COMPLETED:
         sys.exit(1)
+
+
+def _daemon_log_level() -> str | None:
+    """The level `--log-level`/`-v` set for this process (`logging_options`), for the daemons too; None at
+    the default (warning), which they have anyway."""
+    level = logging.getLogger().getEffectiveLevel()
+    return None if level == logging.WARNING else logging.getLevelName(level).lower()
 
 
 def _check_kill(kill: StageKill, n_stages: int, steps: int) -> None:

@@ -24,7 +24,8 @@ class SwarmConfig:
     seconds. `command` starts the swarmnode CLI in a child; `observe` starts the DHT observer for node states.
     `network` (a links file) emulates WAN links between the nodes, each at its `placement` site (launcher
     node name -> site, every initial node; `protocols.links.Network.place`). `standbys` nodes start as
-    `join --standby`: they hold no stage until one loses its last node.
+    `join --standby`: they hold no stage until one loses its last node. `log_level` goes to every daemon
+    (their log lines land in `out/logs/NAME.err`).
     """
 
     preset: str = "tiny"
@@ -46,6 +47,7 @@ class SwarmConfig:
     stall_timeout: float | None = STALL_TIMEOUT_S
     skip_ratio: float = 0.0  # the run's (`bootstrap --skip-ratio`)
     network: Path | None = None
+    log_level: str | None = None  # every daemon's `--log-level` (None: theirs, warning)
     placement: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     command: tuple[str, ...] = (sys.executable, "-m", "swarmnode")
     observe: bool = True
@@ -95,6 +97,7 @@ class SwarmConfig:
             "--peers-file", str(self.peers_file), "--steps", str(self.steps), "--seed", str(self.seed),
             "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus", "--dtype", self.dtype,
             "--skip-ratio", str(self.skip_ratio), "--min-data-nodes", str(self.data_nodes),
+            *self._log_options(),
         ]  # fmt: skip
 
     def join_argv(
@@ -121,7 +124,11 @@ class SwarmConfig:
             *(["--shard", shard] if shard is not None else []),
             *(["--network", str(self.network.resolve()), "--site", site] if self.network and site else []),
             *(["--identity", str(identity)] if identity is not None else []),
+            *self._log_options(),
         ]  # fmt: skip
+
+    def _log_options(self) -> list[str]:
+        return ["--log-level", self.log_level] if self.log_level is not None else []
 
     def export_argv(self) -> list[str]:
         """The exporter of the final model to `model_dir`, its validation loss read back from the files."""
