@@ -19,7 +19,6 @@ and where ranking every order would take too long the completion's stage sets ar
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections.abc import Mapping
@@ -188,6 +187,7 @@ class _Planner:
         self.timelines = [Timeline() for _ in range(view.n_nodes)]
         self.idle = Timeline()
         self.look = self.timelines if aware else [self.idle] * view.n_nodes  # what a path is timed against
+        self._load = list(view.forward_s)  # per node, forward time x (1 + microbatches held), as looked at
         self.visits = [0] * view.n_nodes
         share = math.ceil(self.n_mb * space.k / view.n_stages)  # visits per stage, at most
         self.caps = (
@@ -220,6 +220,7 @@ class _Planner:
             self.timelines[node].reserve(start, end)
         for node, start, end in chosen.holds:
             self.timelines[node].holds.append((start, end))
+            self._load[node] = self.view.forward_s[node] * (1 + len(self.look[node].holds))
         return chosen
 
     def _forward(self, d: int, release: float, prefix: Order, layers: dict[Order, _Layer]) -> _Layer:
@@ -233,27 +234,27 @@ class _Planner:
             layer = {d: (start + fwd[d], ((d, start),))}
         else:
             before = list(self._forward(d, release, prefix[:-1], layers).items())
-            replicas = [
-                y for y in self.view.stages[prefix[-1]] if self.caps is None or self.visits[y] < self.caps[y]
-            ]
+            replicas = self.view.stages[prefix[-1]]
+            if self.caps is not None:
+                replicas = [y for y in replicas if self.visits[y] < self.caps[y]]
             layer = {}
             if not before or not replicas:
                 layers[prefix] = layer
                 return layer
             rows = [[t + links[v][y] for y in replicas] for v, (t, _) in before]  # arrival from each source
             arrivals = rows[0] if len(rows) == 1 else list(map(min, *rows))
-            kept = list(enumerate(replicas))
-            if len(kept) > _WIDTH:  # keep the replicas that look soonest done, counting their load
-                look = self.look
+            if len(replicas) > _WIDTH:  # keep the replicas that look soonest done, counting their load
+                load = self._load
+                keys = [a + load[y] for a, y in zip(arrivals, replicas, strict=True)]
                 kept = [
                     (j, y)
-                    for _, y, j in heapq.nsmallest(
-                        _WIDTH, ((arrivals[j] + fwd[y] * (1 + len(look[y].holds)), y, j) for j, y in kept)
-                    )
+                    for _, y, j in sorted(zip(keys, replicas, range(len(replicas)), strict=True))[:_WIDTH]
                 ]
+            else:
+                kept = list(enumerate(replicas))
             for j, y in kept:
                 arrive = arrivals[j]
-                source = next(r for r, row in enumerate(rows) if row[j] == arrive)  # the first earliest
+                source = 0 if len(rows) == 1 else next(r for r, row in enumerate(rows) if row[j] == arrive)
                 timeline = self.look[y]
                 begin = timeline.earliest_start(timeline.slot_free(arrive, memory), fwd[y])
                 layer[y] = (begin + fwd[y], (*before[source][1][1], (y, begin)))
