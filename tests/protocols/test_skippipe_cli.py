@@ -43,13 +43,14 @@ def test_json_is_one_object_with_paths_and_times() -> None:
     result = CliRunner().invoke(schedule, ["--scenario", str(SCENARIO), "--json", "--seed", "1"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
-    assert set(out) == {"paths", "iteration_time_s", "scheduler_seconds"}
+    assert set(out) == {"paths", "iteration_time_s", "scheduler_seconds", "scheduler_cpu_seconds"}
     assert set(out["iteration_time_s"]) == METHODS
     assert out["iteration_time_s"]["skippipe"] < out["iteration_time_s"]["full_pipeline"]
     assert sorted(out["paths"], key=int) == [str(mb) for mb in range(30)]
     for path in out["paths"].values():
         assert path[0] == path[-1] and path[0] in (0, 3, 4, 10, 11) and len(path) == 5
     assert out["scheduler_seconds"] > 0
+    assert out["scheduler_cpu_seconds"] > 0
 
 
 @pytest.mark.parametrize(
