@@ -224,7 +224,8 @@ def _effort(data: dict[str, Any], seeds: range, old: ModuleType | None) -> list[
     and 0.44 s forward; ratios to the default effort (and to the old planner's default) in this run."""
     print("\nplanner effort on the reference scenario (mean over seeds; cpu per plan)")
     print(
-        f"{'restarts, rounds':<26}{'1.76 s fwd: s':>14}{'0.44 s fwd: s':>14}{'cpu ms':>8}{'vs default':>12}",
+        f"{'restarts, rounds':<26}{'1.76 s fwd: s':>14}{'0.44 s fwd: s':>14}{'cpu ms':>8}{'wall ms':>9}"
+        f"{'vs default':>12}",
         end="",
     )
     print(f"{'vs old: s':>10}{'cpu':>7}" if old is not None else "")
@@ -245,12 +246,23 @@ def _effort(data: dict[str, Any], seeds: range, old: ModuleType | None) -> list[
     for label, runs in timed.items():
         slow_s = statistics.fmean(plan.iteration_time_s for plan, _, _ in runs[: len(seeds)])
         fast_s = statistics.fmean(plan.iteration_time_s for plan, _, _ in runs[len(seeds) :])
-        rows[label] = (slow_s, fast_s, statistics.fmean(cpu for _, _, cpu in runs))
+        rows[label] = (
+            slow_s,
+            fast_s,
+            statistics.fmean(cpu for _, _, cpu in runs),
+            statistics.fmean(wall for _, wall, _ in runs),
+        )
     default = rows["{}, {}".format(*DEFAULT_EFFORT)]
     out = []
-    for label, (slow_s, fast_s, cpu) in rows.items():
-        line = f"{label:<26}{slow_s:>14.2f}{fast_s:>14.2f}{cpu:>8.0f}{cpu / default[2]:>12.3f}"
-        row = {"effort": label, "iteration_s_176": slow_s, "iteration_s_044": fast_s, "cpu_ms": cpu}
+    for label, (slow_s, fast_s, cpu, wall) in rows.items():
+        line = f"{label:<26}{slow_s:>14.2f}{fast_s:>14.2f}{cpu:>8.0f}{wall:>9.0f}{cpu / default[2]:>12.3f}"
+        row = {
+            "effort": label,
+            "iteration_s_176": slow_s,
+            "iteration_s_044": fast_s,
+            "cpu_ms": cpu,
+            "wall_ms": wall,
+        }
         if old is not None:
             base = rows["old planner, its default"]
             row["quality_vs_old"] = (slow_s / base[0] + fast_s / base[1]) / 2
