@@ -107,8 +107,10 @@ def items(convert: Convert, limit: int, minimum: int = 0, unique: bool = False) 
 
 
 def nested(cls: type[S]) -> Convert:
-    """A `cls` instance, or a map with exactly its fields (as decoded from the wire)."""
+    """A `cls` instance, or a map with exactly its fields (as decoded from the wire); fields named in the
+    class's `WIRE_OPTIONAL` (added after peers that omit them) may be missing and take their defaults."""
     names = {f.name for f in fields(cls)}
+    may_miss = frozenset(getattr(cls, "WIRE_OPTIONAL", ()))
 
     def convert(value: Any, name: str) -> S:
         if isinstance(value, cls):
@@ -118,7 +120,7 @@ def nested(cls: type[S]) -> Convert:
         unexpected = [show(key) for key in value if key not in names]
         if unexpected:
             raise LocalProtocolError(f"{name}: unexpected fields {', '.join(unexpected[:5])}")
-        missing = sorted(names - set(value))
+        missing = sorted(names - set(value) - may_miss)
         if missing:
             raise LocalProtocolError(f"{name}: missing fields {', '.join(missing)}")
         try:

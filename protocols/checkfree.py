@@ -5,7 +5,8 @@ output projection, loss); stages 1..s hold transformer layers. A stage is *alive
 node serves it with trained weights (a node that is itself being rebuilt does not count). Nodes of stage 1
 may hold a copy of E and nodes of stage s a copy of E' (CheckFree+).
 
-`plan_recovery` / `plan_recoveries` decide how each stage is (re)built; `average_neighbours`,
+`plan_recovery` / `plan_recoveries` decide how each stage is (re)built, an edge stage from what its swap
+partner's nodes report they served in its place (`protocols.standins`); `average_neighbours`,
 `copy_partner` and `restore_embeddings` compute the new weights, and `reinit_seed` seeds a re-initialised
 stage's fresh ones. State dicts must be keyed by names relative to the stage (the k-th layer of every stage
 under the same names), so that neighbours match key by key; stages with different layouts cannot be
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from protocols._arraymap import ArrayMap, check_same_layout, first_non_finite, weighted_sum
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.standins import MIN_STAND_INS, STAND_IN_WINDOW_STEPS
 
 DEFAULT_LR_FACTOR = 1.1
 SWAP_MIN_STAGES = 4  # CheckFree+ swaps need the first pair (S1, S2) and the last (S(s-1), Ss) to be apart
@@ -43,11 +45,12 @@ def swaps_edge_pairs(num_stages: int, iteration: int, microbatch: int) -> bool:
     return num_stages >= SWAP_MIN_STAGES and (iteration + microbatch) % 2 == 1
 
 
-def edge_swaps_run(num_stages: int, checkfree_plus: bool) -> bool:
-    """Whether a run swaps its edge pairs at all: CheckFree+ on and at least `SWAP_MIN_STAGES` transformer
-    stages. Such a run swaps every other microbatch of every iteration (`swaps_edge_pairs`), so stage 2
-    (stage s-1) trains in stage 1's (stage s's) place throughout; any other run never swaps."""
-    return checkfree_plus and num_stages >= SWAP_MIN_STAGES
+def swap_partner(stage: int, num_stages: int) -> int | None:
+    """The stage that stands in for edge stage `stage` (`protocols.standins.edge_places`): stage 2 for stage
+    1, stage s-1 for stage s; None for other stages and for a model of one transformer stage."""
+    if num_stages < 2 or stage not in (1, num_stages):
+        return None
+    return 2 if stage == 1 else num_stages - 1
 
 
 def swap_edge_pairs(stages: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
@@ -65,10 +68,10 @@ class Method(StrEnum):
     """How a stage's weights are obtained."""
 
     REPLICA = "replica"  # a live replica of the stage exists: ordinary state transfer
-    # middle stage: gradient-norm weighted average of both neighbours; an edge stage whose edge swap never
-    # ran: the same average over the one transformer neighbour it has, that is a copy of that neighbour
+    # middle stage: gradient-norm weighted average of both neighbours; an edge stage whose swap partner did
+    # not serve in its place recently: the same average over its one transformer neighbour, a copy of it
     CHECKFREE = "checkfree"
-    CHECKFREE_PLUS_COPY = "checkfree_plus_copy"  # stage 1 / stage s: copy of its swap partner
+    CHECKFREE_PLUS_COPY = "checkfree_plus_copy"  # stage 1 / stage s: copy of a partner that stood in for it
     EMBEDDING_COPY = "embedding_copy"  # stage 0: E from stage 1's copy, E' from stage s's copy
     REINIT = "reinit"  # nothing to rebuild from: fresh random weights
 
@@ -97,29 +100,31 @@ def plan_recovery(
     num_stages: int,
     alive: Collection[int],
     checkfree_plus: bool,
-    swaps_ran: bool,
+    stood_in: Mapping[int, int],
     embedding_copy_held: bool,
     head_copy_held: bool,
     lr_factor: float = DEFAULT_LR_FACTOR,
 ) -> Recovery:
     """How `stage` gets its weights, given which stages are alive.
 
-    `num_stages` is s, the number of transformer stages. `swaps_ran`: the edge pairs ran swapped in the
-    run's recent iterations, so stage 2 (stage s-1) trained in stage 1's (stage s's) place; it cannot be
-    true without CheckFree+ or in a model too small to swap (`edge_swaps_run`). `embedding_copy_held` /
-    `head_copy_held`: a live node of stage 1 holds a copy of E / of stage s holds a copy of E' (only
-    counted while that stage is alive). Rebuilt transformer stages reset the optimizer and scale the
-    learning rate by `lr_factor`; restored embeddings are exact copies, so they reset the optimizer (copies
-    carry none) at lr factor 1; reinitialised stages reset it at lr factor 1.
+    `num_stages` is s, the number of transformer stages. `stood_in[e]`, for edge stage e (1 or s): the most
+    iterations of the last `STAND_IN_WINDOW_STEPS` steps in which one live, trained node of its swap partner
+    (`swap_partner`) reports it served microbatches in e's place (`NodeRecord.stood_in`; missing: 0).
+    `embedding_copy_held` / `head_copy_held`: a live node of stage 1 holds a copy of E / of stage s holds a
+    copy of E' (only counted while that stage is alive). Rebuilt transformer stages reset the optimizer and
+    scale the learning rate by `lr_factor`; restored embeddings are exact copies, so they reset the
+    optimizer (copies carry none) at lr factor 1; reinitialised stages reset it at lr factor 1.
 
-    A lost edge stage is a copy of its swap partner only when `swaps_ran`. Otherwise it is CheckFree's
-    average over its one transformer neighbour, which is a copy of that neighbour, said so: the paper ranks
-    a neighbour's copy above fresh weights (spec/checkfree.md, ablations); on the 3-stage tiny model it was
-    better for stage 1 and as good for stage 3 (docs/design.md).
+    A lost edge stage is a copy of its swap partner (`checkfree_plus_copy`) only with CheckFree+ on and a
+    partner node that served in its place in at least `MIN_STAND_INS` iterations of that window. Otherwise it
+    is CheckFree's average over its one transformer neighbour, which is a copy of that neighbour, and the
+    reason says why no partner's copy: the paper ranks a neighbour's copy above fresh weights
+    (spec/checkfree.md, ablations); on the 3-stage tiny model it was better for stage 1 and as good for
+    stage 3 (docs/design.md).
     """
     s, live = num_stages, set(alive)
     _check_plan_args(num_stages, (stage, *live), lr_factor)
-    _check_swaps(num_stages, checkfree_plus, swaps_ran)
+    _check_stood_in(num_stages, checkfree_plus, stood_in)
 
     def plan(method: Method, sources: tuple[int, ...], reason: str) -> Recovery:
         fresh = method is not Method.REPLICA
@@ -149,32 +154,26 @@ def plan_recovery(
 
     if s == 1:
         return reinit("it is the only transformer stage, so it has no neighbour to rebuild from")
-
-    if stage in (1, s):
-        neighbour = 2 if stage == 1 else s - 1
-        if swaps_ran:
-            if neighbour not in live:
-                return reinit(f"its swap partner, stage {neighbour}, is lost too (two adjacent stages lost)")
+    partner = swap_partner(stage, s)
+    if partner is not None:
+        if partner not in live:
+            return reinit(
+                f"its only transformer neighbour, stage {partner}, is lost too (two adjacent stages lost)"
+            )
+        served = stood_in.get(stage, 0)
+        if checkfree_plus and served >= MIN_STAND_INS:
             return plan(
                 Method.CHECKFREE_PLUS_COPY,
-                (neighbour,),
-                f"stage {stage} rebuilt as a copy of stage {neighbour}, its CheckFree+ swap partner",
-            )
-        if not checkfree_plus:
-            no_swap = "CheckFree+ is off"
-        else:
-            no_swap = (
-                f"a model of {s} transformer stages never swaps (CheckFree+ swaps need {SWAP_MIN_STAGES})"
-            )
-        if neighbour not in live:
-            return reinit(
-                f"its only transformer neighbour, stage {neighbour}, is lost too (two adjacent stages lost)"
+                (partner,),
+                f"stage {stage} rebuilt as a copy of stage {partner}, its CheckFree+ swap partner: a node of "
+                f"stage {partner} served microbatches in stage {stage}'s place in {served} of the last "
+                f"{STAND_IN_WINDOW_STEPS} steps",
             )
         return plan(
             Method.CHECKFREE,
-            (neighbour,),
-            f"stage {stage} rebuilt as a copy of stage {neighbour}, its only transformer neighbour (no edge "
-            f"swap ran: {no_swap}, so stage {neighbour} never trained in its place; a neighbour's copy "
+            (partner,),
+            f"stage {stage} rebuilt as a copy of stage {partner}, its only transformer neighbour (no swap "
+            f"partner's copy: {_no_stand_in(stage, partner, s, checkfree_plus, served)}; a neighbour's copy "
             "recovers at least as well as fresh weights)",
         )
 
@@ -189,12 +188,28 @@ def plan_recovery(
     )
 
 
+def _no_stand_in(stage: int, partner: int, num_stages: int, checkfree_plus: bool, served: int) -> str:
+    """Why a lost edge stage is no copy of its swap partner, in words."""
+    if not checkfree_plus:
+        return "CheckFree+ is off"
+    if served == 0:
+        why = f"no live node of stage {partner} served a microbatch in stage {stage}'s place"
+        why += f" in the last {STAND_IN_WINDOW_STEPS} steps"
+    else:
+        why = f"live nodes of stage {partner} served microbatches in stage {stage}'s place in at most"
+        why += f" {served} of the last {STAND_IN_WINDOW_STEPS} steps, fewer than {MIN_STAND_INS}"
+    if num_stages < SWAP_MIN_STAGES:
+        why += f"; a model of {num_stages} transformer stages never swaps"
+        why += f" (CheckFree+ swaps need {SWAP_MIN_STAGES})"
+    return why
+
+
 def plan_recoveries(
     *,
     num_stages: int,
     alive: Collection[int],
     checkfree_plus: bool,
-    swaps_ran: bool,
+    stood_in: Mapping[int, int],
     embedding_copy_held: bool,
     head_copy_held: bool,
     lr_factor: float = DEFAULT_LR_FACTOR,
@@ -210,7 +225,7 @@ def plan_recoveries(
                 num_stages=num_stages,
                 alive=live,
                 checkfree_plus=checkfree_plus,
-                swaps_ran=swaps_ran,
+                stood_in=stood_in,
                 embedding_copy_held=embedding_copy_held,
                 head_copy_held=head_copy_held,
                 lr_factor=lr_factor,
@@ -299,15 +314,15 @@ def _check_plan_args(num_stages: int, stages: Collection[int], lr_factor: float)
             raise LocalProtocolError(f"stage {k!r} is not in 0..{num_stages}")
 
 
-def _check_swaps(num_stages: int, checkfree_plus: bool, swaps_ran: bool) -> None:
-    if not isinstance(checkfree_plus, bool) or not isinstance(swaps_ran, bool):
-        raise LocalProtocolError(
-            f"checkfree_plus and swaps_ran must be bools, got {checkfree_plus!r}, {swaps_ran!r}"
-        )
-    if swaps_ran and not edge_swaps_run(num_stages, checkfree_plus):
-        raise LocalProtocolError(
-            f"no edge swap can have run: CheckFree+ {'on' if checkfree_plus else 'off'}, {num_stages} stages"
-        )
+def _check_stood_in(num_stages: int, checkfree_plus: bool, stood_in: Mapping[int, int]) -> None:
+    if not isinstance(checkfree_plus, bool):
+        raise LocalProtocolError(f"checkfree_plus must be a bool, got {checkfree_plus!r}")
+    for edge, served in stood_in.items():
+        valid = isinstance(served, int) and not isinstance(served, bool) and served >= 0
+        if swap_partner(edge, num_stages) is None or not valid:
+            raise LocalProtocolError(
+                f"stood_in {edge!r}: {served!r} is no count for an edge stage of {num_stages} stages"
+            )
 
 
 def _check_finite(*labelled: tuple[str, ArrayMap]) -> None:

@@ -304,10 +304,14 @@ class NodeRecord(Message):
     data nodes only; `grad_norm` (before clipping) feeds CheckFree; `copies` says which CheckFree+ copies
     this node holds; `addrs` are its multiaddrs; `site` names its site in an emulated network
     (`join --network`; None: no emulation); `links` its measured costs to the peers it last talked to (the
-    planner's link costs). Decode records with `max_bytes=MAX_RECORD_BYTES`.
+    planner's link costs); `stood_in` in how many of the last steps a transformer node served microbatches in
+    stage 1's and in stage s's place (`protocols.standins`: the evidence for a CheckFree+ copy; None: not
+    counted, as on data nodes and in records of older nodes). Decode records with
+    `max_bytes=MAX_RECORD_BYTES`.
     """
 
     KIND: ClassVar[str] = "node_record"
+    WIRE_OPTIONAL: ClassVar[frozenset[str]] = frozenset({"stood_in"})  # records of older nodes lack it
     state: NodeState = field(metadata=checked(choice(NodeState)))
     stage: int = field(metadata=checked(_STAGE))
     step: int = field(metadata=checked(count()))
@@ -323,6 +327,7 @@ class NodeRecord(Message):
     recovery_seconds: float | None = field(default=None, metadata=checked(optional(number(0.0))))
     site: str | None = field(default=None, metadata=checked(optional(text(MAX_SITE_CHARS, 1))))
     links: tuple[LinkCost, ...] = field(default=(), metadata=checked(items(nested(LinkCost), MAX_LINK_COSTS)))
+    stood_in: tuple[int, int] | None = field(default=None, metadata=checked(optional(items(count(), 2, 2))))
 
 
 class Rpc(StrEnum):

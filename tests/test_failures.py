@@ -8,9 +8,12 @@ DHT process and p2pd die together, as on a lost machine), starts replacements wi
 - a lost middle stage is rebuilt by CheckFree: the loaded weights are the gradient-norm weighted average of
   the neighbours' weights the new node fetched (its dumped evidence), which are trained weights;
 - a lost first / last stage of this 3-stage model is an exact copy of stage 2, its only transformer
-  neighbour, and says that no CheckFree+ swap ran (a model of 3 stages never swaps): CheckFree over one
-  neighbour, not a swap partner's copy (that choice, for models that swap, is tested in
-  tests/protocols/test_checkfree.py);
+  neighbour, and says that stage 2 served in its place in fewer than `MIN_STAND_INS` iterations (none, or
+  the one or two of the microbatches re-routed past the dying stage; the records' counts) and that a model
+  of 3 stages never swaps: CheckFree over one neighbour, not a swap partner's copy;
+- in a run that skips, stage 2 stands in for a skipped stage 1, counts it, and a lost stage 1 is a copy of
+  stage 2 (`checkfree_plus_copy`; the decision from the counts is tested in tests/protocols/test_checkfree.py,
+  the counting in tests/protocols/test_standins.py);
 - a lost data stage is restored exactly from the copies of E (stage 1) and E' (last stage);
 - one of two replicas killed: no iteration waits past the iteration timeout, and the data node's counts of
   lost microbatches add up (lost + completed == planned, per iteration and in total);
@@ -27,6 +30,7 @@ through a replacement is read from its DHT record (`swarmnode status`): its step
 from __future__ import annotations
 
 import math
+import re
 from statistics import mean
 from typing import Any
 
@@ -56,6 +60,7 @@ from failure_scenarios import (
 from swarm_harness import HarnessError, LocalTestSwarm, poll
 
 from protocols.checkfree import reinit_seed
+from protocols.standins import MIN_STAND_INS
 
 pytestmark = pytest.mark.integration
 
@@ -120,6 +125,11 @@ def test_lost_edge_stages_are_copies_of_their_only_neighbour(swarm: LocalTestSwa
         assert reason.startswith(
             f"stage {stage} rebuilt as a copy of stage 2, its only transformer neighbour"
         )
+        # the microbatches re-routed past the killed stage when it died put stage 2 in its place: a few
+        served = re.search(r"stage 2 served (a microbatch|microbatches) in stage (\d)'s place", reason)
+        assert served is not None and int(served[2]) == stage, reason
+        few = re.search(r"in at most (\d+) of the last", reason)
+        assert few is None or 0 < int(few[1]) < MIN_STAND_INS, reason
         assert "a model of 3 transformer stages never swaps" in reason, reason
         evidence = load_dump(dump, stage)
         [source] = evidence["sources"]
@@ -135,6 +145,49 @@ def test_lost_edge_stages_are_copies_of_their_only_neighbour(swarm: LocalTestSwa
         assert record["step"] > source["step"] and record["recovery"]["method"] == "checkfree"
     assert killed_first is not None
     assert_learning(data, killed_first)
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_edge_stage_whose_partner_stood_in_is_its_copy(swarm: LocalTestSwarm) -> None:
+    """A run that skips (SkipPipe at skip ratio 0.34: each path visits 2 of the 3 stages) puts stage 2 right
+    after the embeddings on the paths that skip stage 1. Stage 2's node counts those microbatches and
+    publishes the count; the replacement of a lost stage 1 reads it and is a copy of stage 2, its swap
+    partner that stood in for it (`checkfree_plus_copy`), the count in its reason. A skipping run does not
+    wait for the lost stage: its paths go on skipping stage 1 meanwhile."""
+    dump = swarm.folder / "dump1"
+    data, (stage1, _, _) = start_swarm(swarm, [1, 2, 3], skip_ratio=0.34)
+
+    def stage2_first() -> bool:  # the planned paths (enough iterations to be sure of what stage 2 counted)
+        steps = data.events("step")
+        return sum(any(path[1] == 2 for path in e["paths"]) for e in steps) >= 2 * MIN_STAND_INS
+
+    poll(stage2_first, START_S, "paths that put stage 2 first", alive=data.check_alive)
+    killed = kill(swarm, stage1)
+    new = join_auto(swarm, "new1", dump)
+    recovered, online = wait_recovered(swarm, new)
+
+    assert recovered["stage"] == 1 and recovered["method"] == "checkfree_plus_copy", recovered
+    reason = recovered["reason"]
+    served = re.fullmatch(
+        r"stage 1 rebuilt as a copy of stage 2, its CheckFree\+ swap partner: a node of stage 2 served "
+        r"microbatches in stage 1's place in (\d+) of the last \d+ steps",
+        reason,
+    )
+    assert served is not None and int(served[1]) >= MIN_STAND_INS, reason
+    evidence = load_dump(dump, 1)
+    [source] = evidence["sources"]
+    assert source["stage"] == 2 and source["step"] > 0
+    assert_trained(source["tensors"], 2)
+    for name, tensor in evidence["loaded"].items():
+        assert torch.equal(tensor, source["tensors"][name]), name
+    record = poll(
+        lambda: (r := record_of(swarm, 1, online["peer_id"]))["step"] > source["step"] and r,
+        START_S,
+        "steps of the rebuilt stage 1",
+        alive=data.check_alive,
+    )
+    assert record["recovery"]["method"] == "checkfree_plus_copy"
+    assert all(math.isfinite(e["loss"]) for e in steps_between(data, killed))
 
 
 # ---- c: the data stage -------------------------------------------------------------------------------------

@@ -241,7 +241,13 @@ class Node(ABC):
             recovery_seconds=self.recovery[1] if self.recovery else None,
             site=self.links.site if self.links else None,
             links=self._link_costs(),
+            stood_in=self.stood_in(),
         )
+
+    def stood_in(self) -> tuple[int, int] | None:
+        """What this node served in the edge stages' places recently (`NodeRecord.stood_in`); None: it does
+        not count (a data node)."""
+        return None
 
     def _link_costs(self) -> tuple[LinkCost, ...]:
         """What this node measured of its links to the peers it talked to last: the seconds one hop's

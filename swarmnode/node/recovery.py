@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,10 +27,10 @@ from protocols.checkfree import (
     Recovery,
     average_neighbours,
     copy_partner,
-    edge_swaps_run,
     plan_recovery,
     reinit_seed,
     restore_embeddings,
+    swap_partner,
 )
 from protocols.errors import ProtocolError
 from protocols.messages import (
@@ -44,6 +44,7 @@ from protocols.messages import (
     decode,
     encode,
 )
+from protocols.standins import MIN_STAND_INS
 from swarmnode.model_config import ModelConfig
 from swarmnode.node import state
 from swarmnode.node.compute import ComputeQueue, Priority
@@ -151,12 +152,16 @@ async def fetch_any(
     stage: int,
     parts: tuple[StatePart, ...],
     check: Callable[[StateTransfer, state.TensorMap], object] | None = None,
+    among: Collection[str] | None = None,
 ) -> tuple[StateTransfer, state.TensorMap]:
-    """State from one live node of `stage`, trying donors in random order (spreads newcomers over donors);
-    `check` may refuse what a donor sent (raising StateMismatch or ProtocolError), and the next is tried.
-    While some donor is busy, all are asked again after `BUSY_RETRY_S`, for up to `BUSY_WAIT_S`."""
+    """State from one live node of `stage` (one of `among`, if given), trying donors in random order
+    (spreads newcomers over donors); `check` may refuse what a donor sent (raising StateMismatch or
+    ProtocolError), and the next is tried. While some donor is busy, all are asked again after
+    `BUSY_RETRY_S`, for up to `BUSY_WAIT_S`."""
     peers = live_peers if stage == node.stage else trained_peers
     donors = await peers(node.transport, node.snapshot, node.me, stage)
+    if among is not None:
+        donors = [donor for donor in donors if donor in among]
     node.rng.shuffle(donors)
     deadline = time.monotonic() + BUSY_WAIT_S
     while True:
@@ -181,6 +186,20 @@ def swarm_has_trained(view: Snapshot) -> bool:
     return any(peer.record.step > 0 for peers in view.stages.values() for peer in peers)
 
 
+def stand_ins(
+    view: Snapshot, trained: Mapping[int, Collection[str]], stage: int, num_stages: int
+) -> dict[str, int]:
+    """What each live, trained node (`trained`, by stage) of `stage`'s swap partner reports it served in
+    `stage`'s place over the recent window (`NodeRecord.stood_in`; a record without it counts 0); empty
+    when `stage` is no edge stage."""
+    partner = swap_partner(stage, num_stages)
+    if partner is None:
+        return {}
+    place = 0 if stage == 1 else 1
+    counts = {p.peer_id: p.record.stood_in for p in view.stages.get(partner, ())}
+    return {peer: c[place] if c is not None else 0 for peer, c in counts.items() if peer in trained[partner]}
+
+
 async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
     """Give `node` its stage's state before it goes online. Returns the plan it followed and the evidence
     (the sources' tensors and grad norms, and what was loaded); None for a fresh start."""
@@ -200,12 +219,13 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
         part: any(part in peer.record.copies for peer in view.stages.get(k, ()) if peer.peer_id != node.me)
         for part, k in ((StatePart.EMBEDDING_COPY, 1), (StatePart.HEAD_COPY, spec.stages))
     }
+    reports = stand_ins(view, dict(zip(stages, trained, strict=True)), node.stage, spec.stages)
     plan = plan_recovery(
         node.stage,
         num_stages=spec.stages,
         alive=alive,
         checkfree_plus=spec.checkfree_plus,
-        swaps_ran=edge_swaps_run(spec.stages, spec.checkfree_plus),
+        stood_in={node.stage: max(reports.values())} if reports else {},
         embedding_copy_held=holders[StatePart.EMBEDDING_COPY],
         head_copy_held=holders[StatePart.HEAD_COPY],
     )
@@ -227,11 +247,17 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
         await node.compute.submit(Priority.STEP, lambda: node.load_rebuilt(restored, plan, step=step))
         evidence = [_evidence(embedding_header, embedding), _evidence(head_header, head)]
         return plan, {"sources": evidence, "loaded": restored}
-    sources = [await fetch_any(node, source, (StatePart.WEIGHTS,)) for source in plan.sources]
+    # a swap partner's copy comes from a node that itself stood in for this stage
+    among = (
+        [p for p, n in reports.items() if n >= MIN_STAND_INS]
+        if plan.method == Method.CHECKFREE_PLUS_COPY
+        else None
+    )
+    sources = [await fetch_any(node, source, (StatePart.WEIGHTS,), among=among) for source in plan.sources]
     if len(sources) == 2:
         (prev_header, prev), (next_header, following) = sources
         rebuilt = average_neighbours(prev, following, prev_header.grad_norm, next_header.grad_norm)
-    else:  # an edge stage: a copy of its swap partner, or of its only neighbour where no swap ran
+    else:  # an edge stage: a copy of its swap partner, or of its only neighbour where none stood in for it
         rebuilt = copy_partner(sources[0][1])
     step = max(header.step for header, _ in sources)
     await node.compute.submit(Priority.STEP, lambda: node.load_rebuilt(rebuilt, plan, step=step))

@@ -10,8 +10,10 @@ import time
 
 from torch import Tensor
 
+from protocols.errors import LocalProtocolError
 from protocols.membership import Probe, Probed, Rebalance, RebalanceAction, Viewed, Wait
 from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
+from protocols.standins import StandIns, edge_places
 from protocols.stepbook import Group, MicrobatchKey, StepBook
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
@@ -46,6 +48,7 @@ class StageNode(Node):
         self._origins_read: asyncio.Future[None] | None = None  # the DHT read forwards from new origins await
         self._copies_at = 0  # the clock at the last refresh of the CheckFree+ copies
         self._stepped = asyncio.Condition()  # notified whenever a step closes groups (`StepBook.waits`)
+        self.stand_ins = StandIns()  # iterations with microbatches trained in an edge stage's place
 
     async def start(self) -> None:
         await super().start()
@@ -180,10 +183,21 @@ class StageNode(Node):
             raise Rejected(
                 ErrorCode.MALFORMED, f"gradient of shape {tuple(grad.shape)} for outputs of {shape}"
             )
-        self.spawn(self._backward(message, key, grad), "backward")
+        try:
+            places = edge_places(message.stages, message.hop, self.spec.stages)
+        except LocalProtocolError as error:
+            raise Rejected(ErrorCode.MALFORMED, error.reason) from None
+        self.spawn(self._backward(message, key, grad, places), "backward")
         return encode(Ack()), []
 
-    async def _backward(self, message: Backward, key: MicrobatchKey, grad: Tensor) -> None:
+    def stood_in(self) -> tuple[int, int]:
+        """In how many iterations of the recent window of the swarm clock microbatches were trained here in
+        stage 1's and in stage s's place (`protocols.standins`), for the record."""
+        return self.stand_ins.recent(max(self.snapshot.clock(), self.optimizer.step_count))
+
+    async def _backward(
+        self, message: Backward, key: MicrobatchKey, grad: Tensor, places: tuple[bool, bool]
+    ) -> None:
         try:
             grad_in = await self.compute.submit(Priority.BACKWARD, lambda: self.worker.backward(key, grad))
         except MissingActivations:
@@ -195,6 +209,9 @@ class StageNode(Node):
             return
         self.book.finish(key, applied=True, now=time.monotonic())
         self.microbatches_served += 1
+        if any(places):
+            clock = max(self.snapshot.clock(), self.optimizer.step_count)
+            self.stand_ins = self.stand_ins.add(key.iteration, places, clock)
         delivered = await self.router.backward(message, grad_in)
         if not delivered:
             await self._abort_everywhere(message, key, "previous hop unreachable")

@@ -10,19 +10,21 @@ import torch
 
 from protocols.checkfree import (
     DEFAULT_LR_FACTOR,
+    SWAP_MIN_STAGES,
     Method,
     Recovery,
     average_neighbours,
     copy_partner,
-    edge_swaps_run,
     plan_recoveries,
     plan_recovery,
     reinit_seed,
     restore_embeddings,
     swap_edge_pairs,
+    swap_partner,
     swaps_edge_pairs,
 )
 from protocols.errors import LocalProtocolError
+from protocols.standins import MIN_STAND_INS, STAND_IN_WINDOW_STEPS, StandIns
 
 
 def stage(value: float) -> dict[str, torch.Tensor]:
@@ -121,15 +123,19 @@ def decide(
     plus: bool = True,
     e_copy: bool = True,
     head_copy: bool = True,
-    swaps: bool | None = None,
+    stood: int | None = None,
 ) -> dict:
-    """The plans' (method, sources); `swaps` defaults to what the runtime passes (`edge_swaps_run`)."""
+    """The plans' (method, sources), the swap partners having served `stood` microbatches in each edge
+    stage's place; by default what a run that skips nothing gives (enough with 4 stages or more, none
+    below: the schedule swaps only there)."""
     alive = set(range(s + 1)) - lost
+    if stood is None:
+        stood = MIN_STAND_INS if s >= SWAP_MIN_STAGES else 0
     plans = plan_recoveries(
         num_stages=s,
         alive=alive,
         checkfree_plus=plus,
-        swaps_ran=edge_swaps_run(s, plus) if swaps is None else swaps,
+        stood_in={1: stood, s: stood} if s >= 2 else {},
         embedding_copy_held=e_copy,
         head_copy_held=head_copy,
     )
@@ -144,7 +150,7 @@ def decide(
         (4, {2}, True, {2: (CF, (1, 3))}),
         (4, {3}, False, {3: (CF, (2, 4))}),
         (3, {2}, False, {2: (CF, (1, 3))}),
-        # edge stages: a copy of the swap partner where the swaps ran (CheckFree+, 4 stages or more)...
+        # edge stages: a copy of the swap partner where it stood in (CheckFree+, 4 stages or more)...
         (4, {1}, True, {1: (CFP, (2,))}),
         (4, {4}, True, {4: (CFP, (3,))}),
         # ...else CheckFree over the one transformer neighbour (a copy of it, but not a swap partner's)
@@ -188,7 +194,7 @@ def test_missing_copies_mean_reinit_of_the_data_stage() -> None:
         num_stages=3,
         alive={2, 3},
         checkfree_plus=True,
-        swaps_ran=False,
+        stood_in={},
         embedding_copy_held=True,
         head_copy_held=False,
     )[0].reason
@@ -201,7 +207,7 @@ def test_plans_carry_the_optimizer_rule() -> None:
         num_stages=5,
         alive={0, 2, 3, 5},
         checkfree_plus=True,
-        swaps_ran=True,
+        stood_in={1: MIN_STAND_INS, 5: MIN_STAND_INS},
         embedding_copy_held=True,
         head_copy_held=True,
     )
@@ -213,7 +219,7 @@ def test_plans_carry_the_optimizer_rule() -> None:
         num_stages=3,
         alive={0, 1, 2},
         checkfree_plus=True,
-        swaps_ran=False,
+        stood_in={},
         embedding_copy_held=True,
         head_copy_held=True,
     )
@@ -223,7 +229,7 @@ def test_plans_carry_the_optimizer_rule() -> None:
         num_stages=2,
         alive={1, 2},
         checkfree_plus=True,
-        swaps_ran=False,
+        stood_in={},
         embedding_copy_held=True,
         head_copy_held=True,
     )
@@ -233,7 +239,7 @@ def test_plans_carry_the_optimizer_rule() -> None:
         num_stages=3,
         alive={1, 3},
         checkfree_plus=False,
-        swaps_ran=False,
+        stood_in={},
         embedding_copy_held=False,
         head_copy_held=False,
         lr_factor=1.2,
@@ -247,7 +253,7 @@ def test_joining_a_live_stage_is_a_replica_transfer() -> None:
         num_stages=3,
         alive={0, 1, 2, 3},
         checkfree_plus=False,
-        swaps_ran=False,
+        stood_in={},
         embedding_copy_held=False,
         head_copy_held=False,
     )
@@ -259,7 +265,7 @@ def test_reasons_are_plain() -> None:
         num_stages=4,
         alive={0, 1, 4},
         checkfree_plus=True,
-        swaps_ran=True,
+        stood_in={1: MIN_STAND_INS, 4: MIN_STAND_INS},
         embedding_copy_held=True,
         head_copy_held=True,
     )
@@ -269,62 +275,106 @@ def test_reasons_are_plain() -> None:
     )
 
 
-def edge_plan(stage: int, s: int, alive: set[int], plus: bool, swaps: bool) -> Recovery:
+def edge_plan(stage: int, s: int, alive: set[int], plus: bool, stood: int) -> Recovery:
     return plan_recovery(
         stage,
         num_stages=s,
         alive=alive,
         checkfree_plus=plus,
-        swaps_ran=swaps,
+        stood_in={stage: stood},
         embedding_copy_held=True,
         head_copy_held=True,
     )
 
 
-def test_an_edge_stage_is_a_swap_partner_copy_only_where_the_swaps_ran() -> None:
-    swapped = edge_plan(4, 4, {0, 1, 2, 3}, plus=True, swaps=True)
+def test_an_edge_stage_is_a_swap_partner_copy_only_where_a_partner_stood_in_recently() -> None:
+    swapped = edge_plan(4, 4, {0, 1, 2, 3}, plus=True, stood=MIN_STAND_INS)
     assert (swapped.method, swapped.sources) == (CFP, (3,))
-    assert swapped.reason == "stage 4 rebuilt as a copy of stage 3, its CheckFree+ swap partner"
-    # CheckFree+ on and 4 stages, but the swaps did not run (the caller knows none ran lately): no such copy
-    unswapped = edge_plan(4, 4, {0, 1, 2, 3}, plus=True, swaps=False)
-    assert (unswapped.method, unswapped.sources) == (CF, (3,))
-    assert "its only transformer neighbour" in unswapped.reason
-    assert "swap partner" not in unswapped.reason
+    assert swapped.reason == (
+        "stage 4 rebuilt as a copy of stage 3, its CheckFree+ swap partner: a node of stage 3 served "
+        f"microbatches in stage 4's place in {MIN_STAND_INS} of the last {STAND_IN_WINDOW_STEPS} steps"
+    )
+    first = edge_plan(1, 6, {0, 2, 3, 4, 5, 6}, plus=True, stood=40)
+    assert (first.method, first.sources, first.lr_factor) == (CFP, (2,), DEFAULT_LR_FACTOR)
+    # CheckFree+ on and 4 stages, but no partner node served in its place lately: no swap partner's copy
+    for stood in (0, MIN_STAND_INS - 1):
+        unswapped = edge_plan(4, 4, {0, 1, 2, 3}, plus=True, stood=stood)
+        assert (unswapped.method, unswapped.sources) == (CF, (3,))
+        assert "its only transformer neighbour" in unswapped.reason
+        assert "CheckFree+ swap partner" not in unswapped.reason
+
+
+def test_no_recent_stand_in_means_the_fallback_with_the_reason() -> None:
+    none = edge_plan(1, 4, {0, 2, 3, 4}, plus=True, stood=0).reason
+    assert none == (
+        "stage 1 rebuilt as a copy of stage 2, its only transformer neighbour (no swap partner's copy: no "
+        f"live node of stage 2 served a microbatch in stage 1's place in the last {STAND_IN_WINDOW_STEPS} "
+        "steps; a neighbour's copy recovers at least as well as fresh weights)"
+    )
+    few = edge_plan(1, 4, {0, 2, 3, 4}, plus=True, stood=MIN_STAND_INS - 1).reason
+    assert (
+        f"live nodes of stage 2 served microbatches in stage 1's place in at most {MIN_STAND_INS - 1} of "
+        f"the last {STAND_IN_WINDOW_STEPS} steps, fewer than {MIN_STAND_INS}"
+    ) in few
+    # stale: a partner whose stand-ins all lie more than the window behind the clock reports none
+    stale = StandIns()
+    for iteration in range(10, 10 + MIN_STAND_INS):
+        stale = stale.add(iteration, (True, False), iteration)
+    assert stale.recent(20) == (MIN_STAND_INS, 0)
+    counted = stale.recent(20 + STAND_IN_WINDOW_STEPS)[0]
+    assert counted == 0 and edge_plan(1, 4, {0, 2, 3, 4}, True, counted).method is CF
+    # a partner rebuilt since (a new node) has served nothing in the place yet: its tally starts empty
+    fresh = StandIns().recent(500)[0]
+    assert edge_plan(1, 4, {0, 2, 3, 4}, True, fresh).reason == none
 
 
 def test_edge_reasons_say_what_was_chosen_and_why() -> None:
-    three = edge_plan(3, 3, {0, 1, 2}, plus=True, swaps=False).reason
+    three = edge_plan(3, 3, {0, 1, 2}, plus=True, stood=0).reason
     assert three.startswith("stage 3 rebuilt as a copy of stage 2, its only transformer neighbour")
+    assert "no live node of stage 2 served a microbatch in stage 3's place" in three
     assert "a model of 3 transformer stages never swaps" in three
-    assert "stage 2 never trained in its place" in three
     assert three.endswith("a neighbour's copy recovers at least as well as fresh weights)")
-    off = edge_plan(1, 4, {0, 2, 3, 4}, plus=False, swaps=False).reason
+    # a 3-stage run that skips stage 3 on some paths: stage 2 did serve in its place, and says so
+    skipped = edge_plan(3, 3, {0, 1, 2}, plus=True, stood=MIN_STAND_INS)
+    assert (skipped.method, skipped.sources) == (CFP, (2,))
+    off = edge_plan(1, 4, {0, 2, 3, 4}, plus=False, stood=MIN_STAND_INS).reason
     assert off.startswith("stage 1 rebuilt as a copy of stage 2, its only transformer neighbour")
-    assert "no edge swap ran: CheckFree+ is off" in off
-    lost = edge_plan(1, 3, {0, 3}, plus=True, swaps=False)
+    assert "no swap partner's copy: CheckFree+ is off" in off
+    lost = edge_plan(1, 3, {0, 3}, plus=True, stood=0)
     assert (lost.method, lost.reason) == (
         RE,
         "stage 1 cannot be rebuilt: its only transformer neighbour, stage 2, is lost too (two adjacent "
         "stages lost); re-initialising it",
     )
-    partner_lost = edge_plan(1, 4, {0, 3, 4}, plus=True, swaps=True)
+    partner_lost = edge_plan(1, 4, {0, 3, 4}, plus=True, stood=MIN_STAND_INS)
     assert (partner_lost.method, partner_lost.sources) == (RE, ())
-    assert "its swap partner, stage 2, is lost too" in partner_lost.reason
+    assert "stage 2, is lost too" in partner_lost.reason
 
 
-@pytest.mark.parametrize(("s", "plus"), [(3, True), (2, True), (4, False), (6, False)])
-def test_swaps_that_cannot_have_run_are_rejected(s: int, plus: bool) -> None:
-    with pytest.raises(LocalProtocolError, match="no edge swap can have run"):
-        edge_plan(1, s, set(range(2, s + 1)), plus=plus, swaps=True)
+@pytest.mark.parametrize(
+    "stood_in",
+    [{2: 5}, {0: 5}, {1: -1}, {1: True}, {1: 2.0}, {5: 3}],
+)
+def test_stand_in_counts_of_no_edge_stage_or_no_count_are_rejected(stood_in: dict) -> None:
+    with pytest.raises(LocalProtocolError, match="stood_in"):
+        plan_recovery(
+            1,
+            num_stages=4,
+            alive={0, 2, 3, 4},
+            checkfree_plus=True,
+            stood_in=stood_in,
+            embedding_copy_held=True,
+            head_copy_held=True,
+        )
     with pytest.raises(LocalProtocolError):
-        edge_plan(1, 4, {2, 3, 4}, plus=True, swaps=1)  # type: ignore[arg-type]
+        edge_plan(1, 4, {2, 3, 4}, plus=1, stood=5)  # type: ignore[arg-type]
 
 
-def test_edge_swaps_run_is_what_the_swap_schedule_does() -> None:
-    for s in range(1, 7):
-        for plus in (False, True):
-            scheduled = plus and any(swaps_edge_pairs(s, t, m) for t in range(2) for m in range(2))
-            assert edge_swaps_run(s, plus) == scheduled, (s, plus)
+def test_swap_partners() -> None:
+    assert [swap_partner(k, 5) for k in range(6)] == [None, 2, None, None, None, 4]
+    assert [swap_partner(k, 3) for k in range(4)] == [None, 2, None, 2]
+    assert [swap_partner(k, 2) for k in range(3)] == [None, 2, 1]
+    assert [swap_partner(k, 1) for k in range(2)] == [None, None]
 
 
 # ---- re-initialisation ----------------------------------------------------------------------------------
@@ -353,7 +403,7 @@ def test_bad_arguments_are_rejected(kwargs: dict) -> None:
         "num_stages": 3,
         "alive": {0, 1},
         "checkfree_plus": True,
-        "swaps_ran": False,
+        "stood_in": {},
         "embedding_copy_held": True,
         "head_copy_held": True,
     }
@@ -370,7 +420,7 @@ def test_stage_out_of_range_is_rejected() -> None:
             num_stages=3,
             alive={0},
             checkfree_plus=True,
-            swaps_ran=False,
+            stood_in={},
             embedding_copy_held=True,
             head_copy_held=True,
         )
