@@ -92,6 +92,21 @@ class Step(EventRecord):
 
 
 @dataclass(frozen=True)
+class Progress(EventRecord):
+    """A stage node's periodic account (every `human_lines.PROGRESS_EVERY_STEPS` steps of its clock): its
+    step and outer step, the microbatches it served and dropped, tokens per busy second."""
+
+    KIND: ClassVar[str] = "progress"
+    stage: int
+    step: int
+    outer_step: int
+    served: int
+    lost: int
+    tokens_per_second: float
+    time: float
+
+
+@dataclass(frozen=True)
 class IterationFailed(EventRecord):
     """A data node's iteration ended with every microbatch lost: no step."""
 
@@ -272,6 +287,7 @@ KINDS: dict[str, type[EventRecord]] = {
         Joining,
         Online,
         Step,
+        Progress,
         IterationFailed,
         Validation,
         MicrobatchLost,

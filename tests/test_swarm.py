@@ -111,6 +111,10 @@ def test_pipeline_of_three_stages_trains(swarm: LocalTestSwarm) -> None:
     validations = [e["val_loss"] for e in data.events("validation")]
     assert validations and min(validations) < losses[0], (validations, losses[0])
     assert finished["microbatches_lost"] == 0
+    # what a stage node's volunteer sees every 10 steps (`join --human` prints it as a line)
+    progress = stages[0].events("progress")
+    assert [e["step"] // 10 for e in progress][:2] == [1, 2], progress
+    assert all(e["stage"] == 1 and e["served"] > 0 and e["tokens_per_second"] > 0 for e in progress)
 
 
 @pytest.mark.timeout(170)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from swarmnode.cli.config_file import config_option
 from swarmnode.cli.log_options import logging_options
 from swarmnode.cli.network_options import network_options
 from swarmnode.cli.reach_options import reach_options
+from swarmnode.node.human_lines import PROGRESS_EVERY_STEPS
 from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 if TYPE_CHECKING:
@@ -349,6 +351,14 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 @device_option
 @dtype_option("This node's compute dtype (autocast; weights stay float32). Default: the run's.")
 @click.option("--dump-recovery", type=click.Path(path_type=Path), default=None, hidden=True)
+@click.option(
+    "--json/--human",
+    "as_json",
+    default=None,
+    help="Print every event as one JSON object per line (the default when stdout is not a terminal: "
+    f"`up`, docker, log collectors), or lines for a person (the default on a terminal): steps and stage "
+    f"progress every {PROGRESS_EVERY_STEPS} steps, validation, outer steps, recoveries, refusals.",
+)
 @reach_options
 @logging_options
 @network_options
@@ -373,6 +383,7 @@ def join(
     device: str,
     dtype: str | None,
     dump_recovery: Path | None,
+    as_json: bool | None,
     network: Network | None,
     site: str | None,
     reach: Reach,
@@ -391,6 +402,10 @@ def join(
             "a standby takes whichever stage is lost: give no --stage", param_hint="--stage"
         )
     device_or_fail(device)
+    if sys.stdout.isatty() if as_json is None else not as_json:
+        from swarmnode.node.events import print_human
+
+        print_human(PROGRESS_EVERY_STEPS)
     options = JoinOptions(
         run_id=run_id,
         stage=stage_id,

@@ -22,6 +22,7 @@ from swarmnode.node.context import NodeContext
 from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
 from swarmnode.node.events import emit, listen
+from swarmnode.node.human_lines import PROGRESS_EVERY_STEPS
 from swarmnode.node.liveness import answering
 from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.node.orphans import adopt_orphans, end_orphans
@@ -37,6 +38,7 @@ from swarmnode.transport import LinkEmulator, Transport
 logger = logging.getLogger(__name__)
 
 RUN_WAIT_S = 60.0
+PROGRESS_LOOK_S = 1.0  # how often a stage node looks whether its step passed a `progress` multiple
 DHT_CHECK_S = 1.0  # how often a daemon checks that its DHT process still runs
 CLAIM_SETTLE_S = 0.5  # DHT stores take ~10-25 ms on loopback; half a second covers a loaded machine
 
@@ -169,10 +171,13 @@ async def run_join(options: JoinOptions) -> int:
             if metrics is not None:
                 metrics.attach(node)
             watchdog = asyncio.create_task(_watch_dht(dht, node))
+            progress = asyncio.create_task(_report_progress(node)) if node.stage > 0 else None
             try:
                 await _serve(node, options.linger, options.tokenizer)
             finally:
                 watchdog.cancel()
+                if progress is not None:
+                    progress.cancel()
                 await node.close()
                 if metrics is not None:
                     metrics.attach(None)
@@ -186,6 +191,28 @@ async def run_join(options: JoinOptions) -> int:
         if check is not None:
             check.cancel()
         await dht.close()
+
+
+async def _report_progress(node: Node) -> None:
+    """A stage node's `progress` event each time its step passes a multiple of `PROGRESS_EVERY_STEPS`
+    (looked at every `PROGRESS_LOOK_S`): what its volunteer sees of it (`join --human`)."""
+    reported = node.optimizer.step_count // PROGRESS_EVERY_STEPS
+    while True:
+        await asyncio.sleep(PROGRESS_LOOK_S)
+        step = node.optimizer.step_count
+        if step // PROGRESS_EVERY_STEPS <= reported:
+            continue
+        reported = step // PROGRESS_EVERY_STEPS
+        busy = node.compute.busy_seconds
+        emit(
+            "progress",
+            stage=node.stage,
+            step=step,
+            outer_step=node.outer.outer_step,
+            served=node.microbatches_served,
+            lost=node.microbatches_lost,
+            tokens_per_second=round(node.tokens_processed / busy, 1) if busy > 0 else 0.0,
+        )
 
 
 def _dht_died() -> int:
