@@ -178,6 +178,16 @@ class LinkEstimates:
         """The `count` peers with a round trip measured most recently, most recent first."""
         return list(reversed(self._rtt))[:count]
 
+    def link_costs(self, hop_bytes: int) -> tuple[LinkCost, ...]:
+        """What a node record carries of these estimates (`NodeRecord.links`): for the `MAX_LINK_COSTS`
+        peers measured last, the seconds `hop_bytes` take to reach each (the planners' link costs)."""
+        costs = []
+        for peer in self.recent(MAX_LINK_COSTS):
+            seconds = self.send_s(peer, hop_bytes)
+            if seconds is not None and len(peer) <= MAX_LINK_PEER_CHARS:
+                costs.append(LinkCost(peer, min(seconds, MAX_LINK_SECONDS)))
+        return tuple(costs)
+
 
 def loads_network(text: str | bytes) -> Network:
     """A network from the text of a links file; raises LocalProtocolError naming what is wrong."""

@@ -1,20 +1,41 @@
 """What a node accepts from its peers: decoded messages of its run, and hop tensors from the right sender.
 
-Everything here raises `Rejected`; the node's request wrapper turns that into an `Error` reply, and for
-malformed input or another run's messages, a logged ban of the sender.
+Everything here raises `Rejected`; the node's request wrapper (`guarded`) turns that into an `Error` reply,
+and for malformed input or another run's messages, a logged ban of the sender.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
+from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.errors import RemoteProtocolError
-from protocols.messages import Backward, ErrorCode, Forward, Message, decode
+from protocols.messages import (
+    REQUESTS,
+    Backward,
+    Error,
+    ErrorCode,
+    Forward,
+    Message,
+    Rpc,
+    bounded,
+    decode,
+    encode,
+)
+from swarmnode.node.events import emit
 from swarmnode.node.worker import check_activations
+from swarmnode.transport import Reply, Transport
+
+logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
+Answer = tuple[bytes, list[Tensor]] | Reply
+Handler = Callable[[str, Any, list[Tensor]], Awaitable[Answer]]
+Served = Callable[[PeerID, bytes, list[Tensor]], Awaitable[Answer]]
 
 BANNED_FOR = frozenset({ErrorCode.MALFORMED, ErrorCode.WRONG_RUN})  # refusals that also ban the sender
 
@@ -26,6 +47,44 @@ class Rejected(Exception):
         super().__init__(reason)
         self.code = code
         self.reason = reason
+
+
+class RejectionCounter(Protocol):
+    """Where refusals are counted (`node.metrics.DaemonMetrics`)."""
+
+    def rejected(self, reason: str, banned: bool) -> None: ...
+
+
+def guarded(
+    rpc: Rpc,
+    handler: Handler,
+    run_id: str,
+    transport: Transport,
+    ban_seconds: float,
+    counter: RejectionCounter | None = None,
+) -> Served:
+    """`handler` wrapped for the transport: the request decoded once, as the message `rpc` carries
+    (`REQUESTS`), and handed to it with the sender's peer id; a `Rejected` request is answered with an
+    `Error`, counted, and for malformed input or another run's messages its sender is banned for
+    `ban_seconds`, logged and reported (a `rejected` event)."""
+    kind = REQUESTS[rpc]
+
+    async def serve(peer: PeerID, meta: bytes, tensors: list[Tensor]) -> Answer:
+        try:
+            message = None if kind is None else decode_from_peer(meta, kind, run_id)
+            return await handler(str(peer), message, tensors)
+        except Rejected as rejected:
+            banned = rejected.code in BANNED_FOR
+            if counter is not None:
+                counter.rejected(str(rejected.code), banned=banned)
+            if banned:
+                transport.ban(peer, ban_seconds)
+                reason = rejected.reason
+                logger.warning("rejected %s from %s and banned it: %s", rejected.code, str(peer)[-8:], reason)
+                emit("rejected", peer_id=str(peer), code=str(rejected.code), reason=reason)
+            return encode(Error(rejected.code, bounded(rejected.reason))), []
+
+    return serve
 
 
 def decode_from_peer(meta: bytes, kind: type[M], run_id: str) -> M:

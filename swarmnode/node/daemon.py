@@ -15,19 +15,16 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
 
-from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.bounds import CLOCK_MARGIN
 from protocols.checkfree import Recovery, replica_lr_factor
-from protocols.links import MAX_LINK_COSTS, MAX_LINK_PEER_CHARS, MAX_LINK_SECONDS, LinkCost
+from protocols.links import LinkCost
 from protocols.messages import (
-    REQUESTS,
     Abort,
     Ack,
     AveragingRequest,
     Backward,
-    Error,
     ErrorCode,
     Forward,
     NodeRecord,
@@ -38,14 +35,13 @@ from protocols.messages import (
     StatePart,
     StateRequest,
     StateTransfer,
-    bounded,
     encode,
 )
 from protocols.noloco import OuterConfig
 from protocols.stepbook import MicrobatchKey
 from swarmnode.node import recovery, seed, state
 from swarmnode.node.averaging import OuterLoop
-from swarmnode.node.checks import BANNED_FOR, Rejected, decode_from_peer, hop_tensor
+from swarmnode.node.checks import Rejected, guarded, hop_tensor
 from swarmnode.node.compute import ComputeQueue
 from swarmnode.node.context import BAN_SECONDS, NodeContext
 from swarmnode.node.events import emit
@@ -152,7 +148,8 @@ class Node(ABC):
             (Rpc.PING, self._on_ping, 0),
             (Rpc.HELLO, self._on_hello, 0),
         ):
-            self.transport.register(rpc, self._guarded(rpc, handler), max_body_bytes)
+            served = guarded(rpc, handler, self.spec.run_id, self.transport, BAN_SECONDS, self.metrics)
+            self.transport.register(rpc, served, max_body_bytes)
         self.compute.start()
         self._started = True
         await self.transport.start()
@@ -250,49 +247,16 @@ class Node(ABC):
         return None
 
     def _link_costs(self) -> tuple[LinkCost, ...]:
-        """What this node measured of its links to the peers it talked to last: the seconds one hop's
-        activations take to reach each (the planners' link costs; `protocols.links.LinkEstimates`)."""
-        estimates = self.transport.estimates
+        """What this node measured of its links to the peers it talked to last (`LinkEstimates.link_costs`),
+        for one hop's activations."""
         element = 2 if self.compression is Compression.FLOAT16 or self.spec.dtype != "float32" else 4
         hop_bytes = element * self.spec.batch_size * self.spec.seq_len * self.model_config.dim
-        costs = []
-        for peer in estimates.recent(MAX_LINK_COSTS):
-            seconds = estimates.send_s(peer, hop_bytes)
-            if seconds is not None and len(peer) <= MAX_LINK_PEER_CHARS:
-                costs.append(LinkCost(peer, min(seconds, MAX_LINK_SECONDS)))
-        return tuple(costs)
+        return self.transport.estimates.link_costs(hop_bytes)
 
     async def publish(self) -> None:
         await self.dht.publish(self.record(), self.spec.record_ttl_s)
 
     # ---- requests -------------------------------------------------------------------------------------
-
-    def _guarded(self, rpc: Rpc, handler):  # type: ignore[no-untyped-def]
-        """Wrap a handler: the request decoded once, as the message `rpc` carries (`REQUESTS`), and handed to
-        the handler; malformed or hostile input is logged, the sender banned, an Error returned."""
-        kind = REQUESTS[rpc]
-
-        async def serve(
-            peer: PeerID, meta: bytes, tensors: list[Tensor]
-        ) -> tuple[bytes, list[Tensor]] | Reply:
-            try:
-                message = None if kind is None else decode_from_peer(meta, kind, self.spec.run_id)
-                return await handler(str(peer), message, tensors)
-            except Rejected as rejected:
-                if self.metrics is not None:
-                    self.metrics.rejected(str(rejected.code), banned=rejected.code in BANNED_FOR)
-                if rejected.code in BANNED_FOR:
-                    self.transport.ban(peer, BAN_SECONDS)
-                    logger.warning(
-                        "rejected %s from %s and banned it: %s",
-                        rejected.code,
-                        str(peer)[-8:],
-                        rejected.reason,
-                    )
-                    emit("rejected", peer_id=str(peer), code=str(rejected.code), reason=rejected.reason)
-                return encode(Error(rejected.code, bounded(rejected.reason))), []
-
-        return serve
 
     def _hop_tensor(self, peer: str, message: Forward | Backward, tensors: list[Tensor]) -> Tensor:
         shape = (self.spec.batch_size, self.spec.seq_len, self.model_config.dim)

@@ -13,6 +13,9 @@ import pytest
 from protocols.errors import LocalProtocolError
 from protocols.links import (
     GIB,
+    MAX_LINK_COSTS,
+    MAX_LINK_PEER_CHARS,
+    MAX_LINK_SECONDS,
     MAX_PEERS,
     SAMPLES,
     Link,
@@ -170,6 +173,18 @@ def test_estimates_take_the_fastest_recent_calls() -> None:
     assert estimates.recent(5) == ["near", "far"] and estimates.recent(1) == ["near"]
     with pytest.raises(LocalProtocolError, match="cannot take"):
         estimates.observe("near", 10, 10, -1.0)
+
+
+def test_a_record_carries_the_links_measured_last() -> None:
+    estimates = LinkEstimates()
+    for i in range(MAX_LINK_COSTS + 2):
+        estimates.observe(f"peer{i}", 100, 10, 0.02)
+    estimates.observe("far", 100, 10, 2 * MAX_LINK_SECONDS)  # capped at what a record may carry
+    estimates.observe("x" * (MAX_LINK_PEER_CHARS + 1), 100, 10, 0.02)  # no peer id: left out
+    costs = estimates.link_costs(hop_bytes=1 << 20)
+    assert [c.peer for c in costs][:2] == ["far", f"peer{MAX_LINK_COSTS + 1}"]
+    assert len(costs) == MAX_LINK_COSTS - 1  # the most recent MAX_LINK_COSTS, less the one too long
+    assert costs[0].seconds == MAX_LINK_SECONDS and costs[1].seconds == pytest.approx(0.01)
 
 
 def test_estimates_forget_the_least_recent_peers() -> None:
