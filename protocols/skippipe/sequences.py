@@ -184,12 +184,15 @@ def _fill(
     for done, i in enumerate(order):
         left_after = len(candidates) - done - 1
         at_high = sum(1 for c in counts if c == low + 1)
+        # every stage short of more visits than the paths after this one can bring must be in this set
+        short = {j for j in range(1, n_stages + 1) if low - counts[j] > left_after}
+        hopeless = any(low - counts[j] - 1 > left_after for j in short)  # even with this path
         best, best_score = None, -1.0
         for stages in _choice(candidates[i], counts, rng):
             raised = sum(1 for stage in stages if counts[stage] == low)
             if any(counts[stage] > low for stage in stages) or at_high + raised > extra:
                 continue
-            if any(low - counts[j] - (j in stages) > left_after for j in range(1, n_stages + 1)):
+            if hopeless or not short.issubset(stages):
                 continue
             score = sum(low + 1 - counts[stage] for stage in stages) + rng.random() * 0.5
             if score > best_score:
