@@ -43,7 +43,7 @@ from swarmnode.model_config import ModelConfig, stage_layers
 from swarmnode.modeldir import load_pieces, read_model_folder, write_model_folder
 from swarmnode.node import state
 from swarmnode.node.events import emit
-from swarmnode.node.planning import Snapshot
+from swarmnode.node.planning import SwarmRead
 from swarmnode.node.recovery import DonorBusy, request_state
 from swarmnode.node.serving import STATE_SECONDS
 from swarmnode.pieces import DataPiece, build_piece
@@ -91,7 +91,7 @@ class Exporter:
         self.dht, self.spec, self.transport = dht, spec, transport
         self.config = model_config(spec)
         self.rng = random.Random()
-        self.view = Snapshot({})
+        self.view = SwarmRead({})
 
     async def announce(self) -> None:
         """Keep an `exporting` record on the DHT (the donors serve weights only to peers with one)."""
@@ -105,8 +105,8 @@ class Exporter:
     async def publish(self) -> None:
         await self.dht.publish(NodeRecord(NodeState.EXPORTING, 0, 0, 0), self.spec.record_ttl_s)
 
-    async def refresh(self) -> Snapshot:
-        self.view = Snapshot(await self.dht.read_swarm(self.spec.stages))
+    async def refresh(self) -> SwarmRead:
+        self.view = SwarmRead(await self.dht.read_swarm(self.spec.stages))
         return self.view
 
     async def fetch_model(self) -> FetchedModel:

@@ -4,7 +4,7 @@
     server = StateServer(donor)   # inside a running event loop, after `donor.compute.start()`
 
 Its piece, optimizer and compute queue are the real ones a daemon builds; its view of the swarm is a fixed
-`Snapshot` (the peers named there are recovering its stage); `refresh_snapshot` only counts the reads.
+`SwarmRead` (the peers named there are recovering its stage); `refresh_swarm_read` only counts the reads.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from protocols.messages import NodeRecord, NodeState, StatePart
 from swarmnode.node import state
 from swarmnode.node.compute import ComputeQueue
-from swarmnode.node.planning import Snapshot
+from swarmnode.node.planning import SwarmRead
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import build_piece
 from swarmnode.presets import get_preset
@@ -40,7 +40,7 @@ class TinyDonor:
     piece: nn.Module
     optimizer: StageOptimizer
     outer: Outer
-    snapshot: Snapshot
+    swarm_read: SwarmRead
     compute: ComputeQueue = field(default_factory=ComputeQueue)
     state: NodeState = NodeState.ONLINE
     copies: dict[StatePart, state.TensorMap] = field(default_factory=dict)
@@ -54,8 +54,8 @@ class TinyDonor:
         piece = build_piece(model, stage, spec.stages, spec.seed)
         optimizer = StageOptimizer(piece, Schedule(spec.lr, spec.warmup_steps, spec.total_steps), 1.0)
         record = NodeRecord(NodeState.RECOVERING, stage, 0, 0)
-        view = Snapshot({stage: [PeerRecord(peer, record, 1e12) for peer in recovering]})
+        view = SwarmRead({stage: [PeerRecord(peer, record, 1e12) for peer in recovering]})
         return cls(spec, stage, piece, optimizer, Outer(state.weights(piece)), view)
 
-    async def refresh_snapshot(self) -> None:
+    async def refresh_swarm_read(self) -> None:
         self.reads += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protocols.links import LinkCost
 from protocols.messages import NodeRecord, NodeState
-from swarmnode.node.planning import LOOPBACK_LINK_S, Snapshot, link_costs, plan_iteration
+from swarmnode.node.planning import LOOPBACK_LINK_S, SwarmRead, link_costs, plan_iteration
 from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
 
@@ -19,11 +19,11 @@ def record(peer: str, stage: int, links: dict[str, float] | None = None) -> Peer
     )
 
 
-def swarm(far_s: float) -> Snapshot:
+def swarm(far_s: float) -> SwarmRead:
     """Data nodes d1, d2; stage 1 has a near and a far replica; the far one's links cost `far_s` each way
     (measured by the far node itself, and by d1 towards it)."""
     far_links = {"d1": far_s, "d2": far_s, "s2": far_s}
-    return Snapshot(
+    return SwarmRead(
         {
             0: [record("d1", 0, {"s1far": far_s}), record("d2", 0)],
             1: [record("s1near", 1), record("s1far", 1, far_links)],
@@ -33,7 +33,7 @@ def swarm(far_s: float) -> Snapshot:
     )
 
 
-def visits(snapshot: Snapshot, peer: str) -> int:
+def visits(snapshot: SwarmRead, peer: str) -> int:
     return sum(
         planned.path.count(peer)
         for iteration in range(10)

@@ -20,7 +20,7 @@ from swarmnode.model import build_stage
 from swarmnode.model_config import ModelConfig
 from swarmnode.node.planning import (
     RememberedView,
-    Snapshot,
+    SwarmRead,
     lost_stages,
     not_ready_to_start,
     plan_iteration,
@@ -71,13 +71,13 @@ def test_the_schedule_follows_the_swarm_clock() -> None:
 # ---- planning from records ------------------------------------------------------------------------------
 
 
-def snapshot(**stage_peers: tuple[str, ...]) -> Snapshot:
-    return Snapshot({int(k[1:]): peers(int(k[1:]), *names) for k, names in stage_peers.items()})
+def swarm_read(**stage_peers: tuple[str, ...]) -> SwarmRead:
+    return SwarmRead({int(k[1:]): peers(int(k[1:]), *names) for k, names in stage_peers.items()})
 
 
 def test_plan_visits_every_live_stage_and_returns_to_the_data_node() -> None:
     spec = RunSpec(run_id="r", stages=3, microbatches=4, checkfree_plus=False)
-    view = snapshot(s0=("d",), s1=("a",), s2=("b", "b2"), s3=("c",))
+    view = swarm_read(s0=("d",), s1=("a",), s2=("b", "b2"), s3=("c",))
     planned = plan_iteration(view, "d", spec, iteration=0, tokens_per_microbatch=1024)
     assert len(planned) == 4
     for mb in planned:
@@ -89,7 +89,7 @@ def test_plan_visits_every_live_stage_and_returns_to_the_data_node() -> None:
 
 def test_plan_skips_a_lost_stage() -> None:
     spec = RunSpec(run_id="r", stages=3, microbatches=2)
-    view = snapshot(s0=("d",), s1=("a",), s3=("c",))
+    view = swarm_read(s0=("d",), s1=("a",), s3=("c",))
     planned = plan_iteration(view, "d", spec, iteration=7, tokens_per_microbatch=1024)
     assert planned and all(2 not in mb.stages for mb in planned)
 
@@ -98,13 +98,13 @@ def test_skipping_goes_on_while_a_stage_is_lost() -> None:
     # the lost stage counts as one of the path's skips: paths keep the run's length (issue 12: the skip ratio
     # used to drop to 0 whenever a stage was missing, so every path visited all the live stages)
     spec = RunSpec(run_id="r", stages=6, microbatches=6, skip_ratio=0.34, checkfree_plus=False)
-    full = snapshot(s0=("d",), s1=("a",), s2=("b",), s3=("c",), s4=("e",), s5=("f",), s6=("g",))
-    lost = snapshot(s0=("d",), s1=("a",), s2=("b",), s4=("e",), s5=("f",), s6=("g",))
+    full = swarm_read(s0=("d",), s1=("a",), s2=("b",), s3=("c",), s4=("e",), s5=("f",), s6=("g",))
+    lost = swarm_read(s0=("d",), s1=("a",), s2=("b",), s4=("e",), s5=("f",), s6=("g",))
     for view in (full, lost):
         planned = plan_iteration(view, "d", spec, iteration=3, tokens_per_microbatch=1024)
         assert [len(mb.stages) - 2 for mb in planned] == [4] * 6
     assert not any(3 in mb.stages for mb in planned)  # the last view: stage 3 lost
-    few = snapshot(s0=("d",), s1=("a",), s2=("b",), s3=("c",))  # fewer live stages than a path visits
+    few = swarm_read(s0=("d",), s1=("a",), s2=("b",), s3=("c",))  # fewer live stages than a path visits
     planned = plan_iteration(few, "d", spec, iteration=3, tokens_per_microbatch=1024)
     assert [sorted(mb.stages[1:-1]) for mb in planned] == [[1, 2, 3]] * 6
 
@@ -114,7 +114,7 @@ def test_data_nodes_take_their_shares_of_one_plan() -> None:
     # takes its own microbatches: together they are one schedule, in which each replica serves each data
     # node once (apart, two data nodes would often send both their microbatches through one replica)
     spec = RunSpec(run_id="r", stages=3, microbatches=2, checkfree_plus=False)
-    view = snapshot(s0=("d1", "d2"), s1=("a1", "a2"), s2=("b1", "b2"), s3=("c1", "c2"))
+    view = swarm_read(s0=("d1", "d2"), s1=("a1", "a2"), s2=("b1", "b2"), s3=("c1", "c2"))
     for iteration in range(6):
         served: dict[str, list[str]] = {}
         for data in ("d1", "d2"):
@@ -141,55 +141,55 @@ def test_a_stage_missing_from_one_read_is_not_skipped() -> None:
     # routed every microbatch past the stage in a run whose skip ratio is 0
     spec = RunSpec(run_id="r", stages=3, microbatches=2)
     remembered = RememberedView(grace_s=8.0)
-    remembered.update(snapshot(s0=("d",), s1=("a",), s2=("b",), s3=("c",)), now=0.0)
-    view = remembered.update(snapshot(s0=("d",), s1=("a",), s3=("c",)), now=1.0)
+    remembered.update(swarm_read(s0=("d",), s1=("a",), s2=("b",), s3=("c",)), now=0.0)
+    view = remembered.update(swarm_read(s0=("d",), s1=("a",), s3=("c",)), now=1.0)
     planned = plan_iteration(view, "d", spec, iteration=7, tokens_per_microbatch=1024)
     assert [mb.stages for mb in planned] == [(0, 1, 2, 3, 0)] * 2
     assert view.online(2) == ["b"]
-    stale = remembered.update(snapshot(s0=("d",), s1=("a",), s3=("c",)), now=9.0)  # gone past the grace
+    stale = remembered.update(swarm_read(s0=("d",), s1=("a",), s3=("c",)), now=9.0)  # gone past the grace
     assert stale.online(2) == []
 
 
 def test_a_suspect_missing_from_the_latest_read_is_dropped_and_one_still_in_it_is_kept() -> None:
     remembered = RememberedView(grace_s=8.0)
-    remembered.update(snapshot(s0=("d",), s2=("b", "b2")), now=0.0)
-    read = snapshot(s0=("d",), s2=("b2",))  # b's record expired: it was SIGKILLed, and forwards to it failed
+    remembered.update(swarm_read(s0=("d",), s2=("b", "b2")), now=0.0)
+    read = swarm_read(s0=("d",), s2=("b2",))  # b SIGKILLed: its record expired, forwards failed
     assert remembered.update(read, now=1.0, suspects={"b", "b2"}).online(2) == ["b2"]
     assert remembered.update(read, now=2.0).online(2) == ["b2"]  # forgotten, not merely suspected
 
 
 def test_a_read_seen_before_renews_nothing() -> None:
     remembered = RememberedView(grace_s=8.0)
-    read = snapshot(s0=("d",), s2=("b",))
+    read = swarm_read(s0=("d",), s2=("b",))
     remembered.update(read, now=0.0)
     remembered.update(read, now=20.0)  # no newer read for 20 s: b was last seen at 0
-    assert remembered.update(snapshot(s0=("d",)), now=21.0).online(2) == []
+    assert remembered.update(swarm_read(s0=("d",)), now=21.0).online(2) == []
 
 
 def test_a_fresh_swarm_starts_with_every_stage_and_its_data_nodes() -> None:
     spec = RunSpec(run_id="r", stages=2, min_data_nodes=3)
-    assert not_ready_to_start(snapshot(s0=("d",), s1=("a",)), "d", spec) == ["stage 2", "2 more data nodes"]
+    assert not_ready_to_start(swarm_read(s0=("d",), s1=("a",)), "d", spec) == ["stage 2", "2 more data nodes"]
     stages = {"s1": ("a",), "s2": ("b",)}
-    assert not_ready_to_start(snapshot(s0=("d", "e"), **stages), "d", spec) == ["1 more data node"]
-    assert not_ready_to_start(snapshot(s0=("e", "f"), **stages), "d", spec) == []  # d counts itself
+    assert not_ready_to_start(swarm_read(s0=("d", "e"), **stages), "d", spec) == ["1 more data node"]
+    assert not_ready_to_start(swarm_read(s0=("e", "f"), **stages), "d", spec) == []  # d counts itself
     with pytest.raises(RunSpecError, match="min_data_nodes"):
         RunSpec(run_id="r", min_data_nodes=0)
 
 
 def test_a_run_that_skips_nothing_waits_for_a_lost_stage() -> None:
-    view = snapshot(s0=("d",), s1=("a",), s3=("c",))
+    view = swarm_read(s0=("d",), s1=("a",), s3=("c",))
     assert lost_stages(view, RunSpec(run_id="r", stages=3)) == [2]
     assert lost_stages(view, RunSpec(run_id="r", stages=3, skip_ratio=0.25)) == []  # its paths skip it
 
 
 def test_plan_is_empty_without_any_transformer_stage() -> None:
     spec = RunSpec(run_id="r", stages=3)
-    assert plan_iteration(snapshot(s0=("d",)), "d", spec, iteration=0, tokens_per_microbatch=1) == []
+    assert plan_iteration(swarm_read(s0=("d",)), "d", spec, iteration=0, tokens_per_microbatch=1) == []
 
 
 def test_checkfree_plus_swaps_both_edge_pairs_of_every_other_microbatch() -> None:
     spec = RunSpec(run_id="r", stages=6, microbatches=8, checkfree_plus=True, preset="tiny")
-    view = snapshot(s0=("d",), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
+    view = swarm_read(s0=("d",), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
     for iteration in (1, 2):
         planned = plan_iteration(view, "d", spec, iteration=iteration, tokens_per_microbatch=1024)
         swapped = [mb.microbatch for mb in planned if mb.stages[1:-1] == (2, 1, 3, 4, 6, 5)]
@@ -203,7 +203,7 @@ def test_checkfree_plus_swaps_both_edge_pairs_of_every_other_microbatch() -> Non
 def test_checkfree_plus_swaps_every_data_node_evenly() -> None:
     # two data nodes with one microbatch each: each swaps every other iteration, never both at once
     spec = RunSpec(run_id="r", stages=6, microbatches=1, checkfree_plus=True, preset="tiny")
-    view = snapshot(s0=("d1", "d2"), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
+    view = swarm_read(s0=("d1", "d2"), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
     for node in ("d1", "d2"):
         orders = [
             plan_iteration(view, node, spec, iteration=t, tokens_per_microbatch=1024)[0].stages[1:-1]
@@ -214,7 +214,7 @@ def test_checkfree_plus_swaps_every_data_node_evenly() -> None:
 
 def test_a_three_stage_model_never_swaps() -> None:
     spec = RunSpec(run_id="r", stages=3, microbatches=4, checkfree_plus=True)
-    view = snapshot(s0=("d",), s1=("a",), s2=("b",), s3=("c",))
+    view = swarm_read(s0=("d",), s1=("a",), s2=("b",), s3=("c",))
     for iteration in range(3):
         planned = plan_iteration(view, "d", spec, iteration=iteration, tokens_per_microbatch=1024)
         assert all(mb.stages == (0, 1, 2, 3, 0) for mb in planned)

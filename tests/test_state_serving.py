@@ -94,7 +94,7 @@ def test_a_second_request_of_a_peer_while_its_snapshot_is_taken_is_busy() -> Non
 def test_a_request_that_fails_releases_its_slot() -> None:
     # CheckFree+: a stage-1 node serves its copy of E to a data node that recovers; this one holds none yet
     donor = TinyDonor.build(1, (), checkfree_plus=True)
-    donor.snapshot = TinyDonor.build(0, ("data-joiner",)).snapshot
+    donor.swarm_read = TinyDonor.build(0, ("data-joiner",)).swarm_read
 
     async def scenario(server: StateServer) -> None:
         for _ in range(MAX_TRANSFERS + 1):  # a leaked slot would make the last one "busy: in progress"

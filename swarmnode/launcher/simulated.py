@@ -74,7 +74,7 @@ def simulated_iteration_seconds(
 ) -> float | None:
     """The median simulated iteration time over `ITERATIONS_SIMULATED` iterations of the run (on loopback
     without a `network`), or None when the swarm has no data node or a stage without a node."""
-    from swarmnode.node.planning import LOOPBACK_LINK_S, Snapshot, plan_iteration
+    from swarmnode.node.planning import LOOPBACK_LINK_S, SwarmRead, plan_iteration
     from swarmnode.peer_record import PeerRecord
 
     stages = [[i for i, node in enumerate(nodes) if node.stage == k] for k in range(spec.stages + 1)]
@@ -84,7 +84,7 @@ def simulated_iteration_seconds(
     for node in nodes:
         record = NodeRecord(NodeState.ONLINE, node.stage, 0, 0, throughput=node.tokens_per_second)
         records.append(PeerRecord(node.peer_id, record, 0.0))
-    snapshot = Snapshot({k: [records[i] for i in members] for k, members in enumerate(stages)})
+    read = SwarmRead({k: [records[i] for i in members] for k, members in enumerate(stages)})
     tokens = spec.batch_size * spec.seq_len
     element_bytes = 2 if spec.compression == "float16" or spec.dtype != "float32" else 4
     activation = tokens * get_preset(spec.preset).model.dim * element_bytes
@@ -102,7 +102,7 @@ def simulated_iteration_seconds(
     for iteration in range(0, spec.total_steps, step):
         paths = {}
         for data_node in stages[0]:
-            for planned in plan_iteration(snapshot, nodes[data_node].peer_id, spec, iteration, tokens):
+            for planned in plan_iteration(read, nodes[data_node].peer_id, spec, iteration, tokens):
                 paths[len(paths)] = [index[peer] for peer in planned.path]
         times.append(simulate(paths, view, spec.node_memory).iteration_time_s)
     return statistics.median(times)

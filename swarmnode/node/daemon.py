@@ -45,7 +45,7 @@ from swarmnode.node.checks import Rejected, guarded, hop_tensor
 from swarmnode.node.compute import ComputeQueue
 from swarmnode.node.context import BAN_SECONDS, NodeContext
 from swarmnode.node.events import emit
-from swarmnode.node.planning import RememberedView, Snapshot
+from swarmnode.node.planning import RememberedView, SwarmRead
 from swarmnode.node.router import Router
 from swarmnode.node.serving import StateServer
 from swarmnode.node.worker import Wire
@@ -84,7 +84,7 @@ class Node(ABC):
         self.optimizer = StageOptimizer(self.piece, schedule, spec.max_grad_norm)
         self.compute = ComputeQueue()
         self.state = NodeState.JOINING
-        self.snapshot = Snapshot({})  # the latest read of the DHT
+        self.swarm_read = SwarmRead({})  # the latest read of the DHT
         self._remembered = RememberedView(VIEW_GRACE_TTLS * spec.record_ttl_s)
         self.microbatches_lost = 0
         self.microbatches_served = 0  # backward passes completed here
@@ -94,7 +94,7 @@ class Node(ABC):
         self.rng = random.Random(f"{spec.seed}/{self.me}")
         self.compression = Compression.FLOAT16 if spec.compression == "float16" else Compression.NONE
         self.router = Router(
-            self.transport, self.me, self.snapshot_online, spec.hop_timeout_s, self.compression, self.rng
+            self.transport, self.me, self.view_online, spec.hop_timeout_s, self.compression, self.rng
         )
         if self.metrics is not None:
             self.router.on_hop = self.metrics.observe_hop
@@ -153,7 +153,7 @@ class Node(ABC):
         self.compute.start()
         self._started = True
         await self.transport.start()
-        await self.refresh_snapshot()
+        await self.refresh_swarm_read()
         self.state = NodeState.RECOVERING
         await self.publish()
         self.recovery = await recovery.recover(self)
@@ -166,7 +166,7 @@ class Node(ABC):
             self.spawn(self.refresh_copies(), "copies")
         self._tasks += [
             asyncio.create_task(self._every(self.spec.record_period_s, self.publish), name="publish"),
-            asyncio.create_task(self._every(self.spec.record_period_s, self.refresh_snapshot), name="view"),
+            asyncio.create_task(self._every(self.spec.record_period_s, self.refresh_swarm_read), name="view"),
             asyncio.create_task(self._every(1.0, self.maybe_step), name="expiry"),
         ]
         device, dtype = str(self.precision.device), str(self.precision.dtype).removeprefix("torch.")
@@ -204,21 +204,21 @@ class Node(ABC):
 
     # ---- the swarm ----------------------------------------------------------------------------------------
 
-    def view(self) -> Snapshot:
+    def view(self) -> SwarmRead:
         """The swarm to route with: the latest read, plus peers a recent read showed online (a live node's
         record can be missing from one read on a loaded machine: `protocols.sightings`), less those that calls
-        failed to reach and the latest read lacks. Decisions that a stage is lost read `snapshot`, the latest
-        read alone."""
-        return self._remembered.update(self.snapshot, time.monotonic(), self.router.suspects())
+        failed to reach and the latest read lacks. Decisions that a stage is lost read `swarm_read`, the
+        latest read alone."""
+        return self._remembered.update(self.swarm_read, time.monotonic(), self.router.suspects())
 
-    def snapshot_online(self, stage: int) -> list[str]:
+    def view_online(self, stage: int) -> list[str]:
         return self.view().online(stage)
 
-    async def refresh_snapshot(self) -> None:
-        self.snapshot = Snapshot(await self.dht.read_swarm(self.spec.stages))
+    async def refresh_swarm_read(self) -> None:
+        self.swarm_read = SwarmRead(await self.dht.read_swarm(self.spec.stages))
         if self.links is not None:
             self.links.set_sites(
-                {p.peer_id: p.record.site for ps in self.snapshot.stages.values() for p in ps}
+                {p.peer_id: p.record.site for ps in self.swarm_read.stages.values() for p in ps}
             )
 
     def record(self) -> NodeRecord:
@@ -285,10 +285,10 @@ class Node(ABC):
 
     async def _refresh_for_greetings(self) -> None:
         try:
-            await self.refresh_snapshot()
+            await self.refresh_swarm_read()
             while self._greeted:  # greeted again while reading: read once more, for them all
                 self._greeted = False
-                await self.refresh_snapshot()
+                await self.refresh_swarm_read()
         finally:
             self._greeted = None
 
@@ -297,7 +297,7 @@ class Node(ABC):
         stage node greets the data nodes (their next plan can use it), a data node the stage nodes (they
         take forwards only from data nodes they know)."""
         stages = range(1, self.spec.stages + 1) if self.stage == 0 else (0,)
-        peers = [p for k in stages for p in self.snapshot.online(k) if p != self.me]
+        peers = [p for k in stages for p in self.swarm_read.online(k) if p != self.me]
         await asyncio.gather(
             *(self.router.call(p, Rpc.HELLO, b"", [], timeout=1.0) for p in peers), return_exceptions=True
         )

@@ -109,12 +109,12 @@ class DataNode(Node):
         follow the clock in the forwards they see, share one schedule. A data node only a few ticks behind
         (a little slower than another) runs every tick: skipping ticks whenever the timing put it behind
         made how much it trained depend on the timing."""
-        if self.optimizer.step_count == 0 and self.snapshot.clock() == 0:
+        if self.optimizer.step_count == 0 and self.swarm_read.clock() == 0:
             await self._await_pipeline()
         if self.optimizer.step_count == 0:
             await self.evaluate()  # the initial validation loss, once every stage is online
         while not self._stopping.is_set():
-            clock = self.snapshot.clock()
+            clock = self.swarm_read.clock()
             if clock - self.iteration > CATCH_UP_TICKS:
                 self.iteration = clock
             self.iteration = max(self.iteration, self.optimizer.step_count)
@@ -124,12 +124,12 @@ class DataNode(Node):
             view = self.view().without(self.router.suspects())
             if rebuild_waits(self._rebuild, lost_stages(view, self.spec), time.monotonic()):
                 await asyncio.sleep(self.spec.record_period_s)
-                await self.refresh_snapshot()
+                await self.refresh_swarm_read()
                 continue
             planned = plan_iteration(view, self.me, self.spec, self.iteration, self._tokens_per_mb)
             if not planned:
                 await asyncio.sleep(self.spec.record_period_s)
-                await self.refresh_snapshot()
+                await self.refresh_swarm_read()
                 continue
             started = time.monotonic()
             losses, lost = await self._run_iteration(planned, [next(self._batches) for _ in planned])
@@ -173,13 +173,13 @@ class DataNode(Node):
         seed of a 2x1 swarm, the second data node 3 s late in both, went apart within six steps (5.209 and
         5.013 at step 100). A stage lost later is waited for or skipped while rebuilt (`RebuildWait`)."""
 
-        waiting = not_ready_to_start(self.snapshot, self.me, self.spec)
+        waiting = not_ready_to_start(self.swarm_read, self.me, self.spec)
         if waiting:
             logger.info("waiting for %s to be online before training", ", ".join(waiting))
         while waiting and not self._stopping.is_set():
             await asyncio.sleep(self.spec.record_period_s)
-            await self.refresh_snapshot()
-            waiting = not_ready_to_start(self.snapshot, self.me, self.spec)
+            await self.refresh_swarm_read()
+            waiting = not_ready_to_start(self.swarm_read, self.me, self.spec)
 
     @property
     def _tokens_per_mb(self) -> int:

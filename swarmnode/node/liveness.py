@@ -9,7 +9,7 @@ from hivemind.p2p import PeerID
 
 from protocols.errors import ProtocolError
 from protocols.messages import Pong, Rpc, decode
-from swarmnode.node.planning import Snapshot
+from swarmnode.node.planning import SwarmRead
 from swarmnode.transport import PeerUnreachable, Transport, TransportError
 
 PING_TIMEOUT_S = 1.0  # over libp2p's connection (`direct=False`): a NAT'ed peer's first direct dial takes 3 s
@@ -55,12 +55,12 @@ async def answering(transport: Transport, peers: list[str], stage: int | None = 
     return [p for p, alive in zip(peers, answers, strict=True) if alive]
 
 
-async def live_peers(transport: Transport, view: Snapshot, me: str, stage: int) -> list[str]:
+async def live_peers(transport: Transport, view: SwarmRead, me: str, stage: int) -> list[str]:
     """Online peers of `stage` in `view` (other than `me`) that answer a ping now and still serve it."""
     return await answering(transport, [p for p in view.online(stage) if p != me], stage)
 
 
-async def trained_peers(transport: Transport, view: Snapshot, me: str, stage: int) -> list[str]:
+async def trained_peers(transport: Transport, view: SwarmRead, me: str, stage: int) -> list[str]:
     """Live peers of `stage` that may serve as a rebuild source: not freshly re-initialised (a stage served
     only by a `reinit` node holds random weights, which an average must not take in)."""
     fresh = {p.peer_id for p in view.stages.get(stage, ()) if p.record.recovery == "reinit"}

@@ -36,7 +36,7 @@ DEFAULT_FORWARD_S = 0.05
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class SwarmRead:
     """The swarm as last read from the DHT: live records per stage."""
 
     stages: Mapping[int, Sequence[PeerRecord]]
@@ -50,11 +50,11 @@ class Snapshot:
             (p.record.step for p in self.stages.get(0, ()) if p.record.state == NodeState.ONLINE), default=0
         )
 
-    def without(self, peers: set[str]) -> Snapshot:
+    def without(self, peers: set[str]) -> SwarmRead:
         """This view less `peers` (suspected dead since the records were read)."""
         if not peers:
             return self
-        return Snapshot({k: [p for p in ps if p.peer_id not in peers] for k, ps in self.stages.items()})
+        return SwarmRead({k: [p for p in ps if p.peer_id not in peers] for k, ps in self.stages.items()})
 
     def record(self, peer_id: str) -> PeerRecord | None:
         for peers in self.stages.values():
@@ -77,32 +77,32 @@ class RememberedView:
     def __init__(self, grace_s: float) -> None:
         self._sightings = Sightings(grace_s)
         self._records: dict[tuple[str, int], PeerRecord] = {}
-        self._last_read: Snapshot | None = None
+        self._last_read: SwarmRead | None = None
 
-    def update(self, snapshot: Snapshot, now: float, suspects: Collection[str] = ()) -> Snapshot:
-        """The view at `now`; `snapshot` is the latest read (a read already seen renews no sighting). Peers in
+    def update(self, latest: SwarmRead, now: float, suspects: Collection[str] = ()) -> SwarmRead:
+        """The view at `now`; `latest` is the latest read (a read already seen renews no sighting). Peers in
         `suspects` (calls to them failed) that the latest read lacks are forgotten."""
-        if snapshot is not self._last_read:
-            self._last_read = snapshot
+        if latest is not self._last_read:
+            self._last_read = latest
             read = [
                 (peer.peer_id, stage, peer.record.state == NodeState.ONLINE)
-                for stage, peers in snapshot.stages.items()
+                for stage, peers in latest.stages.items()
                 for peer in peers
             ]
             self._sightings.observe(read, now)
-            for stage, peers in snapshot.stages.items():
+            for stage, peers in latest.stages.items():
                 for peer in peers:
                     if peer.record.state == NodeState.ONLINE:
                         self._records[(peer.peer_id, stage)] = peer
-        in_read = {peer.peer_id for peers in snapshot.stages.values() for peer in peers}
+        in_read = {peer.peer_id for peers in latest.stages.values() for peer in peers}
         self._sightings.forget(peer for peer in suspects if peer not in in_read)
         present = self._sightings.present(now)
         self._records = {key: record for key, record in self._records.items() if key in present}
-        stages = {stage: list(peers) for stage, peers in snapshot.stages.items()}
+        stages = {stage: list(peers) for stage, peers in latest.stages.items()}
         for (peer_id, stage), record in sorted(self._records.items()):
             if all(peer.peer_id != peer_id for peer in stages.get(stage, ())):
                 stages.setdefault(stage, []).append(record)
-        return Snapshot(stages)
+        return SwarmRead(stages)
 
 
 @dataclass(frozen=True)
@@ -124,23 +124,23 @@ def skip_ratio_of_live(skip_ratio: float, stages: int, live: int) -> float:
 
 
 def plan_iteration(
-    snapshot: Snapshot, me: str, spec: RunSpec, iteration: int, tokens_per_microbatch: int
+    read: SwarmRead, me: str, spec: RunSpec, iteration: int, tokens_per_microbatch: int
 ) -> list[PlannedMicrobatch]:
     """This data node's microbatch paths for `iteration`; empty if no transformer stage is online."""
-    data_nodes = sorted({*snapshot.online(0), me})
-    alive = [k for k in range(1, spec.stages + 1) if snapshot.online(k)]
+    data_nodes = sorted({*read.online(0), me})
+    alive = [k for k in range(1, spec.stages + 1) if read.online(k)]
     if not alive:
         return []
     view_stages: list[list[int]] = []
     peers: list[str] = []
     forward_s: list[float] = []
     for stage in (0, *alive):
-        members = data_nodes if stage == 0 else sorted(snapshot.online(stage))
+        members = data_nodes if stage == 0 else sorted(read.online(stage))
         view_stages.append(list(range(len(peers), len(peers) + len(members))))
         for peer in members:
             peers.append(peer)
-            forward_s.append(_forward_seconds(snapshot.record(peer), tokens_per_microbatch))
-    view = SwarmView.build(view_stages, forward_s, link_costs(snapshot, peers))
+            forward_s.append(_forward_seconds(read.record(peer), tokens_per_microbatch))
+    view = SwarmView.build(view_stages, forward_s, link_costs(read, peers))
     skipping = spec.skip_ratio > 0
     rules = PathRules(
         microbatches_per_data_node=spec.microbatches,
@@ -185,18 +185,18 @@ def plan_iteration(
     return planned
 
 
-def not_ready_to_start(snapshot: Snapshot, me: str, spec: RunSpec) -> list[str]:
+def not_ready_to_start(read: SwarmRead, me: str, spec: RunSpec) -> list[str]:
     """What a fresh swarm still lacks before data node `me` trains: stages with no online node, and data
     nodes short of the run's `min_data_nodes` (empty: start)."""
-    stages = [f"stage {k}" for k in range(1, spec.stages + 1) if not snapshot.online(k)]
-    short = spec.min_data_nodes - len({*snapshot.online(0), me})
+    stages = [f"stage {k}" for k in range(1, spec.stages + 1) if not read.online(k)]
+    short = spec.min_data_nodes - len({*read.online(0), me})
     return stages + ([f"{short} more data node{'s' if short > 1 else ''}"] if short > 0 else [])
 
 
-def lost_stages(snapshot: Snapshot, spec: RunSpec) -> list[int]:
-    """The stages this run's data nodes wait for, as `snapshot` shows the swarm
+def lost_stages(read: SwarmRead, spec: RunSpec) -> list[int]:
+    """The stages this run's data nodes wait for, as `read` shows the swarm
     (`membership.stages_to_wait_for`)."""
-    online = [k for k in range(1, spec.stages + 1) if snapshot.online(k)]
+    online = [k for k in range(1, spec.stages + 1) if read.online(k)]
     return membership.stages_to_wait_for(online, spec.stages, spec.skip_ratio)
 
 
@@ -211,13 +211,13 @@ def rebuild_waits(wait: membership.RebuildWait, lost: Sequence[int], now: float)
     return update.waits
 
 
-def link_costs(snapshot: Snapshot, peers: Sequence[str]) -> Callable[[int, int], float]:
+def link_costs(read: SwarmRead, peers: Sequence[str]) -> Callable[[int, int], float]:
     """The seconds of a hop from `peers[a]` to `peers[b]`: what a measured (its record's `links`), else what
     b measured the other way, and never less than `LOOPBACK_LINK_S` (the cost of an unmeasured link), so
     that replicas on links alike are costed alike, whatever the noise in their measurements."""
     measured: dict[tuple[str, str], float] = {}
     for peer in peers:
-        record = snapshot.record(peer)
+        record = read.record(peer)
         for link in record.record.links if record is not None else ():
             measured[(peer, link.peer)] = link.seconds
 

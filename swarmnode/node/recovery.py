@@ -50,7 +50,7 @@ from swarmnode.node import state
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
 from swarmnode.node.liveness import live_peers, trained_peers
-from swarmnode.node.planning import Snapshot
+from swarmnode.node.planning import SwarmRead
 from swarmnode.node.serving import STATE_SECONDS
 from swarmnode.pieces import build_piece
 from swarmnode.runspec import RunSpec
@@ -86,9 +86,9 @@ class Joiner(Protocol):
     dump_dir: Path | None
 
     @property
-    def snapshot(self) -> Snapshot: ...
+    def swarm_read(self) -> SwarmRead: ...
 
-    async def refresh_snapshot(self) -> None: ...
+    async def refresh_swarm_read(self) -> None: ...
 
     def check_replica(self, header: StateTransfer, received: state.TensorMap) -> state.ReplicaState: ...
 
@@ -129,18 +129,18 @@ async def fetch(
         problem = clock_problem(
             header.step,
             header.outer_step,
-            clock=swarm_clock(node.snapshot),
+            clock=swarm_clock(node.swarm_read),
             inner_steps=node.spec.noloco_inner_steps,
         )
         if problem is None:
             return header, tensors
         if not refreshed:
-            await node.refresh_snapshot()
+            await node.refresh_swarm_read()
     raise state.StateMismatch(f"{peer[-8:]} is out of the swarm's range: {problem}")
 
 
-def swarm_clock(view: Snapshot) -> int:
-    """The swarm clock (`Snapshot.clock`); while no data node is online, the furthest online node's step."""
+def swarm_clock(view: SwarmRead) -> int:
+    """The swarm clock (`SwarmRead.clock`); while no data node is online, the furthest online node's step."""
     if view.online(0):
         return view.clock()
     online = (p for peers in view.stages.values() for p in peers if p.record.state == NodeState.ONLINE)
@@ -159,7 +159,7 @@ async def fetch_any(
     ProtocolError), and the next is tried. While some donor is busy, all are asked again after
     `BUSY_RETRY_S`, for up to `BUSY_WAIT_S`."""
     peers = live_peers if stage == node.stage else trained_peers
-    donors = await peers(node.transport, node.snapshot, node.me, stage)
+    donors = await peers(node.transport, node.swarm_read, node.me, stage)
     if among is not None:
         donors = [donor for donor in donors if donor in among]
     node.rng.shuffle(donors)
@@ -182,12 +182,12 @@ async def fetch_any(
         await asyncio.sleep(BUSY_RETRY_S)
 
 
-def swarm_has_trained(view: Snapshot) -> bool:
+def swarm_has_trained(view: SwarmRead) -> bool:
     return any(peer.record.step > 0 for peers in view.stages.values() for peer in peers)
 
 
 def stand_ins(
-    view: Snapshot, trained: Mapping[int, Collection[str]], stage: int, num_stages: int
+    view: SwarmRead, trained: Mapping[int, Collection[str]], stage: int, num_stages: int
 ) -> dict[str, int]:
     """What each live, trained node (`trained`, by stage) of `stage`'s swap partner reports it served in
     `stage`'s place over the recent window (`NodeRecord.stood_in`; a record without it counts 0); empty
@@ -204,7 +204,7 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
     """Give `node` its stage's state before it goes online. Returns the plan it followed and the evidence
     (the sources' tensors and grad norms, and what was loaded); None for a fresh start."""
     spec = node.spec
-    view = node.snapshot
+    view = node.swarm_read
     if not swarm_has_trained(view):
         return None
     stages = range(spec.stages + 1)
@@ -268,7 +268,7 @@ async def reinitialise(node: Joiner, plan: Recovery) -> dict[str, Any]:
     """A `reinit`, loaded like every rebuild (`load_rebuilt`: fresh optimizer, the swarm's step): weights
     drawn from `reinit_seed` of the run's seed, the stage and the swarm clock, so neither the run's step-0
     weights nor a restarted warm-up. Returns the evidence (no sources, what was loaded, step and seed)."""
-    step = swarm_clock(node.snapshot)
+    step = swarm_clock(node.swarm_read)
     seed = reinit_seed(node.spec.seed, node.stage, step)
 
     def load() -> state.TensorMap:
@@ -299,7 +299,7 @@ async def recover(node: Joiner) -> tuple[str, float] | None:
             break
         except (RecoveryFailed, TransportError, ProtocolError, state.StateMismatch) as error:
             logger.warning("recovery attempt %d of stage %d failed: %s", attempt, node.stage, error)
-            await node.refresh_snapshot()
+            await node.refresh_swarm_read()
     else:
         why = f"stage {node.stage} could not be recovered in {RECOVERY_ATTEMPTS} attempts; re-initialising it"
         plan = Recovery(node.stage, Method.REINIT, (), True, 1.0, why)

@@ -26,7 +26,7 @@ from swarmnode.node.human_lines import PROGRESS_EVERY_STEPS
 from swarmnode.node.liveness import answering
 from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.node.orphans import adopt_orphans, end_orphans
-from swarmnode.node.planning import Snapshot
+from swarmnode.node.planning import SwarmRead
 from swarmnode.node.reachability import ReachServer, report_reachability
 from swarmnode.node.stage import StageNode
 from swarmnode.node.standby import stand_by
@@ -80,15 +80,15 @@ async def live_view(dht: SwarmDHT, spec: RunSpec) -> dict[int, tuple[Member, ...
     """Every stage's nodes that are alive or about to be: online records whose peer answers a ping (a dead
     node's record outlives it), plus joining and recovering claims (short-lived records of nodes that have
     chosen the stage but do not serve yet)."""
-    snapshot = Snapshot(await dht.read_swarm(spec.stages))
+    read = SwarmRead(await dht.read_swarm(spec.stages))
     transport = Transport(await dht.replicate_p2p())
     stages = range(spec.stages + 1)
-    answers = await asyncio.gather(*(answering(transport, snapshot.online(k), k) for k in stages))
+    answers = await asyncio.gather(*(answering(transport, read.online(k), k) for k in stages))
     await transport.close()
     return {
         stage: tuple(
             Member(p.peer_id, p.record.state, p.expires_at, p.record.throughput)
-            for p in snapshot.stages.get(stage, ())
+            for p in read.stages.get(stage, ())
             if p.peer_id in answering_peers or p.record.state in (NodeState.JOINING, NodeState.RECOVERING)
         )
         for stage, answering_peers in zip(stages, map(set, answers), strict=True)

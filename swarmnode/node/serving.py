@@ -30,7 +30,7 @@ from swarmnode.node import state
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
-from swarmnode.node.planning import Snapshot
+from swarmnode.node.planning import SwarmRead
 from swarmnode.optim import StageOptimizer
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Reply
@@ -69,9 +69,9 @@ class Donor(Protocol):
     copies: dict[StatePart, state.TensorMap]
 
     @property
-    def snapshot(self) -> Snapshot: ...
+    def swarm_read(self) -> SwarmRead: ...
 
-    async def refresh_snapshot(self) -> None: ...
+    async def refresh_swarm_read(self) -> None: ...
 
 
 @dataclass
@@ -90,7 +90,7 @@ class StateServer:
         self.node = node
         self._serving: set[str] = set()
         self._cached: _Cached | None = None
-        self._lookup = _SharedRead(node.refresh_snapshot)
+        self._lookup = _SharedRead(node.refresh_swarm_read)
 
     @property
     def serving(self) -> frozenset[str]:
@@ -144,7 +144,7 @@ class StateServer:
             raise Rejected(ErrorCode.WRONG_STAGE, why)
 
     def _refusal(self, peer: str, parts: tuple[StatePart, ...]) -> str | None:
-        found = self.node.snapshot.records(peer)
+        found = self.node.swarm_read.records(peer)
         if not found:
             return f"{peer[-8:]} has no record in this run: no state for it"
         reasons = [

@@ -67,7 +67,7 @@ class StageNode(Node):
             for action in actions:
                 if isinstance(action, Probe):
                     live = {
-                        k: frozenset(await live_peers(self.transport, self.snapshot, self.me, k))
+                        k: frozenset(await live_peers(self.transport, self.swarm_read, self.me, k))
                         for k in action.stages
                     }
                     following = self.membership.handle(Probed(live))
@@ -84,7 +84,7 @@ class StageNode(Node):
 
     def _online(self) -> dict[int, frozenset[str]]:
         """The view's online nodes of every transformer stage (`Viewed`)."""
-        return {k: frozenset(self.snapshot.online(k)) for k in range(1, self.spec.stages + 1)}
+        return {k: frozenset(self.swarm_read.online(k)) for k in range(1, self.spec.stages + 1)}
 
     async def _on_forward(
         self, peer: str, message: Forward, tensors: list[Tensor]
@@ -124,7 +124,7 @@ class StageNode(Node):
 
     async def _read_origins(self) -> None:
         try:
-            await self.refresh_snapshot()
+            await self.refresh_swarm_read()
         except Exception as error:  # a slow DHT: the forwards that waited are refused, not crashed
             logger.warning("reading the swarm for a new data node failed: %s", error)
         finally:
@@ -193,7 +193,7 @@ class StageNode(Node):
     def stood_in(self) -> tuple[int, int]:
         """In how many iterations of the recent window of the swarm clock microbatches were trained here in
         stage 1's and in stage s's place (`protocols.standins`), for the record."""
-        return self.stand_ins.recent(max(self.snapshot.clock(), self.optimizer.step_count))
+        return self.stand_ins.recent(max(self.swarm_read.clock(), self.optimizer.step_count))
 
     async def _backward(
         self, message: Backward, key: MicrobatchKey, grad: Tensor, places: tuple[bool, bool]
@@ -210,7 +210,7 @@ class StageNode(Node):
         self.book.finish(key, applied=True, now=time.monotonic())
         self.microbatches_served += 1
         if any(places):
-            clock = max(self.snapshot.clock(), self.optimizer.step_count)
+            clock = max(self.swarm_read.clock(), self.optimizer.step_count)
             self.stand_ins = self.stand_ins.add(key.iteration, places, clock)
         delivered = await self.router.backward(message, grad_in)
         if not delivered:
@@ -235,7 +235,7 @@ class StageNode(Node):
             return
         self._stepping = True
         try:
-            clock = self.snapshot.clock()
+            clock = self.swarm_read.clock()
             if not self.book.waits(clock):  # else the step of the older iterations moves the clock first
                 await self.tick(clock)
             while await self._step_due():

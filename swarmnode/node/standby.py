@@ -29,7 +29,7 @@ from protocols.standby import (
 )
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.liveness import answering
-from swarmnode.node.planning import Snapshot
+from swarmnode.node.planning import SwarmRead
 from swarmnode.node.recovery import swarm_has_trained
 from swarmnode.runspec import RunSpec
 from swarmnode.standbys import publish_standby, read_standbys
@@ -53,7 +53,7 @@ class Watcher:
         self.dht = dht
         self.spec = spec
         self.transport = transport
-        self.snapshot = Snapshot({})
+        self.swarm_read = SwarmRead({})
         self.standbys: frozenset[str] = frozenset()
         self._read_at = -float("inf")
 
@@ -63,22 +63,22 @@ class Watcher:
             stages, standbys = await asyncio.gather(
                 self.dht.read_swarm(self.spec.stages), read_standbys(self.dht)
             )
-            self.snapshot = Snapshot(stages)
+            self.swarm_read = SwarmRead(stages)
             self.standbys = frozenset(p.peer_id for p in standbys if p.record.taken is None)
         transformer = range(1, self.spec.stages + 1)
         answers = await asyncio.gather(
-            *(answering(self.transport, self.snapshot.online(k), k) for k in transformer)
+            *(answering(self.transport, self.swarm_read.online(k), k) for k in transformer)
         )
         alive = {k: set(peers) for k, peers in zip(transformer, answers, strict=True)}
         live = {  # the data stage, never taken, as its records say
             stage: tuple(
                 Member(p.peer_id, p.record.state, p.expires_at, p.record.throughput)
-                for p in self.snapshot.stages.get(stage, ())
+                for p in self.swarm_read.stages.get(stage, ())
                 if stage == 0 or p.peer_id in alive[stage] or p.record.state in CLAIMS
             )
             for stage in range(self.spec.stages + 1)
         }
-        return Watched(live, self.standbys, swarm_has_trained(self.snapshot), time.monotonic())
+        return Watched(live, self.standbys, swarm_has_trained(self.swarm_read), time.monotonic())
 
 
 async def stand_by(
