@@ -8,15 +8,17 @@ import contextlib
 import logging
 import re
 import tempfile
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import hivemind
+from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from protocols.messages import NodeRecord, encode
@@ -170,6 +172,22 @@ def _start_failure(message: str, host: str, port: int) -> str:
     return f"the p2p daemon did not start: {why or message}"
 
 
+async def _latest_values(
+    keys: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode
+) -> dict[str, ValueWithExpiration[Any] | None]:
+    """Run in the DHT process (`DHT.run_coroutine`): the latest value of each key (as `DHT.get(latest=True)`
+    finds it), all keys in one traversal."""
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    return {key: found[key] for key in keys}
+
+
+def _entries(found: ValueWithExpiration[Any] | None) -> list[tuple[Any, ValueWithExpiration[Any]]]:
+    """(subkey, item) pairs of a dictionary value found on the DHT; none for anything else."""
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return list(found.value.items())
+
+
 class SwarmDHT:
     """One DHT peer (its own forked process and p2pd), with the run's validator installed.
 
@@ -215,6 +233,9 @@ class SwarmDHT:
                     check_if_identity_free=False,
                     await_ready=True,
                     shutdown_timeout=1.0,
+                    # every read here asks for the latest value, so hivemind's background re-read of cached
+                    # keys (due 5 s before they expire: at once for a 4 s record) is lookups for nothing
+                    cache_refresh_before_expiry=0,
                     **self.reach.p2p_kwargs(initial_peers),
                 )
             except P2PDaemonError as error:  # p2pd exited at start: its last words say why
@@ -297,22 +318,31 @@ class SwarmDHT:
             await asyncio.sleep(0.5)
 
     async def read_stage(self, stage: int) -> list[PeerRecord]:
-        found = await _bounded(self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True))
-        if found is None or not isinstance(found.value, dict):
-            return []
-        now = get_dht_time()
-        return parse_stage_entries(
-            (subkey, item.value, item.expiration_time)
-            for subkey, item in found.value.items()
-            if item.expiration_time > now
-        )
+        """The live records of one stage."""
+        return (await self.read_stages((stage,)))[stage]
 
     async def read_swarm(self, n_stages: int) -> dict[int, list[PeerRecord]]:
-        """Every stage's live records, stages 0..n_stages read concurrently."""
+        """Every stage's live records, stages 0..n_stages."""
         if not 0 <= n_stages <= MAX_STAGES:
             raise ValueError(f"n_stages must be within 0..{MAX_STAGES}")
-        stages = await asyncio.gather(*(self.read_stage(k) for k in range(n_stages + 1)))
-        return dict(enumerate(stages))
+        return await self.read_stages(range(n_stages + 1))
+
+    async def read_stages(self, stages: Iterable[int]) -> dict[int, list[PeerRecord]]:
+        """The live records of each of `stages`, their keys looked up in one traversal of the DHT (each peer
+        asked once for all of them, not once a key: a node reads every stage every record period)."""
+        keys = {stage_key(self.run_id, k): k for k in stages}
+        found = await _bounded(
+            self.dht.run_coroutine(partial(_latest_values, tuple(keys)), return_future=True)
+        )
+        now = get_dht_time()
+        return {
+            stage: parse_stage_entries(
+                (subkey, item.value, item.expiration_time)
+                for subkey, item in _entries(found.get(key))
+                if item.expiration_time > now
+            )
+            for key, stage in keys.items()
+        }
 
     async def replicate_p2p(self) -> hivemind.P2P:
         """This process's client of the DHT's p2pd (one per process, shared by every user of it)."""

@@ -150,7 +150,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         if len(record.value) <= SIGNATURE_BYTES:
             raise ProtocolError("unsigned")
         payload, signature = record.value[:-SIGNATURE_BYTES], record.value[-SIGNATURE_BYTES:]
-        if not verify(
+        if not _verified(
             peer, signed_bytes(record.key, record.subkey, payload, record.expiration_time), signature
         ):
             raise ProtocolError(f"not signed by {peer[-8:]}, the peer it names")
