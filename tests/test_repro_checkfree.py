@@ -24,13 +24,14 @@ def run_smoke(script: str, tmp_path: Path) -> dict:
         [sys.executable, str(REPRO / f"{script}.py"), "--smoke", "--json", str(out), "--plot", str(png)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,  # a hang guard: a smoke run takes seconds of CPU, minutes on a loaded machine
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert png.stat().st_size > 1000
     body = json.loads(out.read_text())
     assert body["claim"] and body["verdict"].startswith(VERDICTS)
     assert body["mode"] == "smoke"
+    assert body["cpu_seconds"] > 0  # the run's CPU time, what its idle-machine time is estimated from
     return body
 
 
@@ -130,3 +131,31 @@ def test_staged_model_forks_swaps_and_rebuilds() -> None:
     model.rebuild(restored)
     for name, value in model.pieces[0].state_dict().items():
         torch.testing.assert_close(value, before[name])
+
+
+def test_staged_model_plans_a_partner_copy_only_after_its_stand_ins() -> None:
+    sys.path.insert(0, str(REPRO))
+    try:
+        from _staged import Data, Setup, StagedModel
+    finally:
+        sys.path.remove(str(REPRO))
+    from protocols.checkfree import Method
+    from protocols.standins import MIN_STAND_INS
+
+    setup = Setup(seq_len=16, val_batches=1)
+    data = Data(setup)
+    model = StagedModel(setup, data.corpus.vocab_size, seed=1)
+    for _ in range(2 * MIN_STAND_INS - 1):  # swaps on odd steps: one stand-in short
+        model.train_step(data, checkfree_plus=True)
+    assert model.stand_ins.recent(model.step) == (MIN_STAND_INS - 1, MIN_STAND_INS - 1)
+    assert model.plan(1, {1}, checkfree_plus=True).method is Method.CHECKFREE  # the neighbour's copy
+    model.train_step(data, checkfree_plus=True)
+    assert model.plan(1, {1}, checkfree_plus=True).method is Method.CHECKFREE_PLUS_COPY
+    assert model.plan(6, {6}, checkfree_plus=True).method is Method.CHECKFREE_PLUS_COPY
+    model.install(5, model.reinit_weights(5), 1.0)  # a rebuilt partner has stood in for nothing yet
+    assert model.plan(6, {6}, checkfree_plus=True).method is Method.CHECKFREE
+    assert model.plan(1, {1}, checkfree_plus=True).method is Method.CHECKFREE_PLUS_COPY
+    plain = StagedModel(setup, data.corpus.vocab_size, seed=1)
+    for _ in range(2 * MIN_STAND_INS):
+        plain.train_step(data)
+    assert plain.stand_ins.recent(plain.step) == (0, 0)

@@ -27,7 +27,7 @@ def _run(script: str, tmp_path: Path) -> dict:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,  # a hang guard: a smoke run takes seconds of CPU, minutes on a loaded machine
     )
     if done.returncode != 0:
         pytest.fail(f"{script} failed:\n{done.stderr[-4000:]}")
@@ -38,6 +38,7 @@ def _run(script: str, tmp_path: Path) -> dict:
     for row in body["rows"]:
         assert set(row) == {"method", "metric", "seeds"}
         assert len(row["seeds"]) == 1 and all(math.isfinite(v) for v in row["seeds"])
+    assert body["cpu_seconds"] > 0  # the run's CPU time, what its idle-machine time is estimated from
     return body
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,13 @@ def result(claim: str, rows: Sequence[Row], verdict: str, **extra: Any) -> dict[
     if clash:
         raise ValueError(f"extra fields {sorted(clash)} would overwrite the result's own")
     return {**body, **extra}
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its children waited for so far: with the wall
+    time, what a run would take on an idle machine (a single-threaded run: about its CPU time)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return round(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, 1)
 
 
 def write_json(path: Path, body: Mapping[str, Any]) -> None:

@@ -4,9 +4,10 @@
 stages 1..s = `DecoderStage`s) and one `swarmnode.optim.StageOptimizer` per stage, as the reference trainer
 does; a microbatch runs through them in stage order, or in CheckFree+ order where
 `protocols.checkfree.swaps_edge_pairs` says so. Rebuilds go through `protocols.checkfree` (`plan_recovery`,
-`average_neighbours`, `copy_partner`, `restore_embeddings`). What the project lacks for an in-process study,
-and is built here: forking a trained model with its optimizer state, and a batch stream that any fork can
-resume at any step (batches are a function of (seed, step, microbatch)).
+`average_neighbours`, `copy_partner`, `restore_embeddings`), with the evidence a CheckFree+ copy needs (the
+swap partner's stand-ins) counted as stage nodes count it (`protocols.standins`). What the project lacks
+for an in-process study, and is built here: forking a trained model with its optimizer state, and a batch
+stream that any fork can resume at any step (batches are a function of (seed, step, microbatch)).
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from protocols.checkfree import (
     Recovery,
     average_neighbours,
     copy_partner,
-    edge_swaps_run,
     plan_recovery,
     reinit_seed,
     restore_embeddings,
     swap_edge_pairs,
     swaps_edge_pairs,
 )
+from protocols.standins import StandIns, edge_places
 from swarmnode.data import Corpus, batches, load_corpus, val_batches
 from swarmnode.model_config import ModelConfig
 from swarmnode.optim import Schedule, StageOptimizer
@@ -94,6 +95,8 @@ class StagedModel:
         self.optimizers = [StageOptimizer(piece, setup.schedule()) for piece in self.pieces]
         self.step = 0  # optimizer steps taken by the whole model (the batch address)
         self.copies: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None  # CheckFree+ E, E'
+        # iterations in which stage 2 ran in stage 1's place (`first`) and stage s-1 in stage s's (`last`)
+        self.stand_ins = StandIns()
 
     @property
     def n_stages(self) -> int:
@@ -123,7 +126,9 @@ class StagedModel:
         for m in range(n):
             inputs, targets = data.batch(self.seed, self.step, m)
             swapped = checkfree_plus and swaps_edge_pairs(self.n_stages, self.step, m)
-            loss = self._data_piece().loss(self._hidden(inputs, self.order(swapped)), targets)
+            order = self.order(swapped)
+            self._count_stand_ins(order)
+            loss = self._data_piece().loss(self._hidden(inputs, order), targets)
             (loss / n).backward()
             total += float(loss.detach()) / n
         for optimizer in self.optimizers:
@@ -132,6 +137,14 @@ class StagedModel:
         if not math.isfinite(total):
             raise FloatingPointError(f"training loss became {total} at step {self.step}")
         return total
+
+    def _count_stand_ins(self, order: list[int]) -> None:
+        """Note where a microbatch visiting `order` had the swap partners serve in the edge stages' places."""
+        path = (0, *order, 0)
+        for hop in range(1, len(path) - 1):
+            places = edge_places(path, hop, self.n_stages)
+            if any(places):
+                self.stand_ins = self.stand_ins.add(self.step, places, self.step)
 
     def evaluate(self, data: Data) -> float:
         """Mean validation loss over the fixed batches, stages in their own order."""
@@ -174,21 +187,28 @@ class StagedModel:
 
     def plan(self, stage: int, lost: set[int], checkfree_plus: bool) -> Recovery:
         """`protocols.checkfree.plan_recovery` for `stage` when the stages in `lost` are gone, with the
-        copies of E and E' held exactly when CheckFree+ took them."""
+        copies of E and E' held exactly when CheckFree+ took them, and the swap partners' stand-ins over the
+        recent window (at the clock a stage node reports them: the steps taken)."""
         held = checkfree_plus and self.copies is not None
+        first, last = self.stand_ins.recent(self.step)
         return plan_recovery(
             stage,
             num_stages=self.n_stages,
             alive=set(range(self.n_stages + 1)) - lost,
             checkfree_plus=checkfree_plus,
-            swaps_ran=edge_swaps_run(self.n_stages, checkfree_plus),
+            stood_in={1: first, self.n_stages: last} if self.n_stages > 1 else {},
             embedding_copy_held=held,
             head_copy_held=held,
         )
 
     def install(self, k: int, weights: Mapping[str, Tensor], lr_factor: float) -> None:
-        """Stage k takes `weights` and starts a fresh Adam at `lr_factor` (its schedule position stays)."""
+        """Stage k takes `weights` and starts a fresh Adam at `lr_factor` (its schedule position stays); a
+        rebuilt swap partner has not yet stood in for its edge stage."""
         self.pieces[k].load_state_dict(dict(weights), strict=True)
+        if k == 2:
+            self.stand_ins = replace(self.stand_ins, first=())
+        if k == self.n_stages - 1:
+            self.stand_ins = replace(self.stand_ins, last=())
         self.optimizers[k].reset(lr_factor)
         self.optimizers[k].last_grad_norm = None
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from _report import Row, plot, result, table, write_json
+from _report import Row, cpu_seconds, plot, result, table, write_json
 from _staged import (
     Data,
     Setup,
@@ -170,6 +170,7 @@ def main() -> None:
         setup=setup.__dict__,
         runs=runs,
         seconds=round(time.perf_counter() - started, 1),
+        cpu_seconds=cpu_seconds(),
     )
     report(body, rows, args)
 

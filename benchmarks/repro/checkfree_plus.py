@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from _report import Row, plot, result, table, write_json
+from _report import Row, cpu_seconds, plot, result, table, write_json
 from _staged import (
     Data,
     Setup,
@@ -44,7 +44,7 @@ from protocols.checkfree import Method
 
 # mode: (setup, snapshot steps, window after the failure, evaluate every, seeds, copy refresh steps)
 MODES = {
-    "smoke": (Setup(seq_len=32, val_batches=1), 5, 3, 3, 2, 2),
+    "smoke": (Setup(seq_len=32, val_batches=1), 8, 3, 3, 2, 2),  # 4 swapped steps: MIN_STAND_INS
     "quick": (Setup(), 75, 25, 5, 3, 10),
     "full": (Setup(), 105, 40, 5, 3, 10),
 }
@@ -194,6 +194,7 @@ def main() -> None:
         setup=setup.__dict__,
         runs=runs,
         seconds=round(time.perf_counter() - started, 1),
+        cpu_seconds=cpu_seconds(),
     )
     report(body, rows, args)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _report import Row, result, table, write_json
+from _report import Row, cpu_seconds, result, table, write_json
 from _staged import Data, Setup, StagedModel, common_args, mean, mode_name
 
 PAPER_RATES = {"5%": 0.0009, "10%": 0.002, "16%": 0.004}
@@ -303,6 +303,7 @@ def main() -> None:
         setup=setup.__dict__,
         seeds=seeds,
         seconds=round(time.perf_counter() - started, 1),
+        cpu_seconds=cpu_seconds(),
     )
     print(table(rows))
     for jname, text in verdicts.items():

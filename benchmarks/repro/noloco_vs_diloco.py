@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from _exchange import measure_exchanges, piece_state, tree_allreduce_s, tree_allreduce_stragglers_s
 from _replicas import Replicas, Shape, TensorMap, corpus, stream, val_loss, validation
-from _report import Row, plot, result, table, write_json
+from _report import Row, cpu_seconds, plot, result, table, write_json
 
 from protocols.noloco import (
     OuterConfig,
@@ -311,6 +311,7 @@ def main() -> None:
         curves={"every_steps": 2 * mode.inner_steps, "val_loss_averaged_model": curves},
         sync=sync,
         seconds=round(time.perf_counter() - started, 1),
+        cpu_seconds=cpu_seconds(),
     )
     print(table(rows))
     print(body["verdict"])

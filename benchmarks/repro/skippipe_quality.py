@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from _replicas import Replicas, Shape, corpus, stream, val_loss, validation
-from _report import Row, plot, result, table, write_json
+from _report import Row, cpu_seconds, plot, result, table, write_json
 
 from protocols.skippipe import PathRules, SwarmView, schedule, validate_plan
 from swarmnode.optim import Schedule
@@ -208,6 +208,7 @@ def main() -> None:
         paths=path_stats,
         paper={"perplexity_increase_half_layers": PAPER_INCREASE},
         seconds=round(time.perf_counter() - started, 1),
+        cpu_seconds=cpu_seconds(),
     )
     print(table(rows))
     print(body["verdict"])
