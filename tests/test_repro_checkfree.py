@@ -35,6 +35,16 @@ def run_smoke(script: str, tmp_path: Path) -> dict:
     return body
 
 
+def staged() -> tuple[type, type, type]:
+    """`benchmarks/repro/_staged.py`'s Data, Setup and StagedModel (the scripts' in-process model)."""
+    sys.path.insert(0, str(REPRO))
+    try:
+        from _staged import Data, Setup, StagedModel
+    finally:
+        sys.path.remove(str(REPRO))
+    return Data, Setup, StagedModel
+
+
 def rows_by(body: dict) -> dict[tuple[str, str], list[float]]:
     rows = {(r["method"], r["metric"]): r["seeds"] for r in body["rows"]}
     assert len(rows) == len(body["rows"]), "a (method, metric) pair appears twice"
@@ -95,11 +105,7 @@ def test_failure_wallclock_smoke(tmp_path: Path) -> None:
 
 
 def test_staged_model_forks_swaps_and_rebuilds() -> None:
-    sys.path.insert(0, str(REPRO))
-    try:
-        from _staged import Data, Setup, StagedModel
-    finally:
-        sys.path.remove(str(REPRO))
+    Data, Setup, StagedModel = staged()
     from protocols.checkfree import Method
 
     setup = Setup(seq_len=16, val_batches=1)
@@ -134,11 +140,7 @@ def test_staged_model_forks_swaps_and_rebuilds() -> None:
 
 
 def test_staged_model_plans_a_partner_copy_only_after_its_stand_ins() -> None:
-    sys.path.insert(0, str(REPRO))
-    try:
-        from _staged import Data, Setup, StagedModel
-    finally:
-        sys.path.remove(str(REPRO))
+    Data, Setup, StagedModel = staged()
     from protocols.checkfree import Method
     from protocols.standins import MIN_STAND_INS
 
