@@ -27,10 +27,12 @@ def test_the_served_count_and_the_throughput_are_read_from_the_metrics_page() ->
         microbatches_served=37,
         optimizer=SimpleNamespace(step_count=5),
         compute=compute,
+        outer=SimpleNamespace(outer_step=1),
     )
     metrics.attach(node)
     samples = parse_metrics(generate_latest(metrics.registry).decode())
     assert samples[SERVED_METRIC] == 37 and samples[RATE_METRIC] == 2048.0
+    assert samples["swarmnode_outer_step"] == 1
     assert parse_metrics('# HELP x\nx{a="1"} 3\ny nan\nz 4\nbad line here\n') == {"z": 4.0}
 
 
