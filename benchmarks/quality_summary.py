@@ -25,6 +25,12 @@ class SwarmShape:
     def name(self) -> str:
         return f"{self.data_nodes}x{self.replicas}"
 
+    @property
+    def batches_per_step(self) -> int:
+        """How many of the single process's batches a data-node step of this swarm trains on: each data node
+        sends one for each pipeline (`planning.pipeline_width`: here R)."""
+        return self.data_nodes * self.replicas
+
 
 def label(checkfree_plus: bool) -> str:
     return "on" if checkfree_plus else "off"
@@ -121,7 +127,7 @@ def summarise(
         for shape in shapes:
             mine = [r for r in runs if r["config"] == shape.name and r["checkfree_plus"] == checkfree_plus]
             ok = [r for r in mine if r["ok"]]
-            tokens = shape.data_nodes * steps
+            tokens = shape.batches_per_step * steps
             at_tokens = {seed: trainer[tokens][seed][tokens] for seed in seeds}
             by_dx1 = losses_by_seed(runs, SwarmShape(shape.data_nodes, 1), checkfree_plus)
             by_1xr = losses_by_seed(runs, SwarmShape(1, shape.replicas), checkfree_plus)
@@ -190,7 +196,7 @@ def summary_table(rows: list[dict[str, Any]], steps: int) -> str:
         "completed",
         f"swarm val @{steps}: mean (min-max, sd)",
         f"trainer @{steps} (equal steps)",
-        "trainer @D x steps (equal tokens)",
+        "trainer @D x R x steps (equal tokens)",
         "swarm / trainer, equal steps",
         "swarm / trainer, equal tokens",
         "vs 1x1",

@@ -18,7 +18,8 @@ schedule (warm-up, then cosine decay to the last step) depends on the run's leng
 length it is compared at, each a complete run like the swarm's own:
 
 - equal steps: N steps, compared with the swarm at step N;
-- equal tokens: a swarm with D data nodes trains on D times the tokens per step, so D x N steps.
+- equal tokens: each of a swarm's D data nodes sends a batch for each of its R pipelines (one per replica of
+  a stage) every step, D x R times the trainer's tokens per step, so D x R x N steps.
 
 The summary has one row per configuration and CheckFree+ setting: the swarm's and the trainer's validation
 loss over the seeds (mean, min-max, standard deviation), the swarm over the trainer, the swarm over the
@@ -349,7 +350,7 @@ def main() -> None:
     steps, seeds, shapes = args.steps, args.seed_list, args.shapes
     corpus = load_corpus(None, None, get_preset(args.preset).vocab_size)
 
-    lengths = sorted({steps} | {shape.data_nodes * steps for shape in shapes})
+    lengths = sorted({steps} | {shape.batches_per_step * steps for shape in shapes})
     torch.set_num_threads(1)  # a daemon's budget; two threads on a busy 2-core machine ran 10x slower
     trainer: dict[int, dict[int, Curve]] = {length: {} for length in lengths}
     stored = {} if args.trainer_runs is None else earlier_trainer(args.trainer_runs, args)

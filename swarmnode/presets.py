@@ -27,8 +27,9 @@ class Preset:
     """A model and its training defaults. Invalid combinations raise ``ValueError``.
 
     ``n_stages`` is the default number of transformer stages (``S1..Ss``); a data node runs ``microbatches``
-    microbatches of ``batch_size`` sequences of ``seq_len`` tokens per optimizer step. The tokenizer is
-    trained with :attr:`vocab_size` tokens. ``noloco_inner_steps`` is NoLoCo's H (the paper's 50 unless a
+    microbatches of ``batch_size`` sequences of ``seq_len`` tokens per optimizer step for each pipeline
+    (replica of the narrowest stage) of the swarm: one pipeline's batch is the single process's. The tokenizer
+    is trained with :attr:`vocab_size` tokens. ``noloco_inner_steps`` is NoLoCo's H (the paper's 50 unless a
     preset says why not). ``published_params`` is the paper's size (``None`` for ``tiny``).
     """
 
@@ -85,8 +86,8 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                 ),
                 n_stages=3,
                 seq_len=128,
-                # two microbatches of 4 rather than one of 8 (the same step in the single process): with
-                # two replicas per stage each replica then takes a step every iteration
+                # two microbatches of 4 rather than one of 8 (the same step in the single process): a replica
+                # that gets only part of a data node's microbatches still takes a step every iteration
                 batch_size=4,
                 microbatches=2,
                 lr=3e-3,

@@ -98,6 +98,7 @@ class RunSpec(Schema):
     data: str | None = field(default=None, metadata=checked(optional(text(MAX_PATH_CHARS))))
     vocab_size: int = field(default=4096, metadata=POSITIVE)
     seed: int = field(default=0, metadata=checked(count(SEED_LIMIT, minimum=-SEED_LIMIT - 1)))
+    # per data node, iteration and pipeline (`planning.pipeline_width`)
     microbatches: int = field(default=4, metadata=POSITIVE)
     batch_size: int = field(default=8, metadata=POSITIVE)
     seq_len: int = field(default=128, metadata=POSITIVE)

@@ -23,6 +23,7 @@ from swarmnode.node.planning import (
     SwarmRead,
     lost_stages,
     not_ready_to_start,
+    pipeline_width,
     plan_iteration,
     skip_ratio_of_live,
 )
@@ -111,19 +112,36 @@ def test_skipping_goes_on_while_a_stage_is_lost() -> None:
 
 def test_data_nodes_take_their_shares_of_one_plan() -> None:
     # every data node plans the same iteration from the same inputs (the swarm clock, the run's seed) and
-    # takes its own microbatches: together they are one schedule, in which each replica serves each data
-    # node once (apart, two data nodes would often send both their microbatches through one replica)
+    # takes its own microbatches: together they are one schedule, in which each replica serves a full batch
+    # (the run's 2 microbatches) of each data node (apart, two data nodes would often send all their
+    # microbatches through one replica)
     spec = RunSpec(run_id="r", stages=3, microbatches=2, checkfree_plus=False)
     view = swarm_read(s0=("d1", "d2"), s1=("a1", "a2"), s2=("b1", "b2"), s3=("c1", "c2"))
     for iteration in range(6):
         served: dict[str, list[str]] = {}
         for data in ("d1", "d2"):
-            for mb in plan_iteration(view, data, spec, iteration, tokens_per_microbatch=1024):
+            planned = plan_iteration(view, data, spec, iteration, tokens_per_microbatch=1024)
+            assert [mb.microbatch for mb in planned] == [0, 1, 2, 3]  # 2 per pipeline, 2 pipelines
+            for mb in planned:
                 for peer in mb.path[1:-1]:
                     served.setdefault(peer, []).append(data)
         assert {peer: sorted(datas) for peer, datas in served.items()} == {
-            peer: ["d1", "d2"] for peer in ("a1", "a2", "b1", "b2", "c1", "c2")
+            peer: ["d1", "d1", "d2", "d2"] for peer in ("a1", "a2", "b1", "b2", "c1", "c2")
         }
+
+
+def test_the_narrowest_stage_sets_how_many_pipelines_a_data_node_feeds() -> None:
+    # each replica trains on a batch of its own (NoLoCo's replicas): with two replicas in every stage a data
+    # node sends two batches an iteration; one stage with a lone node makes it one pipeline again, so that
+    # node is never sent more than the run's microbatches by one data node
+    spec = RunSpec(run_id="r", stages=3, microbatches=2, checkfree_plus=False)
+    wide = swarm_read(s0=("d",), s1=("a1", "a2", "a3"), s2=("b1", "b2"), s3=("c1", "c2", "c3"))
+    narrow = swarm_read(s0=("d",), s1=("a1", "a2"), s2=("b1",), s3=("c1", "c2"))
+    assert pipeline_width(wide, (1, 2, 3)) == 2 and pipeline_width(narrow, (1, 2, 3)) == 1
+    assert pipeline_width(wide, ()) == 1
+    assert len(plan_iteration(wide, "d", spec, iteration=0, tokens_per_microbatch=1024)) == 4
+    planned = plan_iteration(narrow, "d", spec, iteration=0, tokens_per_microbatch=1024)
+    assert len(planned) == 2 and {mb.path[2] for mb in planned} == {"b1"}
 
 
 def test_the_skip_ratio_over_the_live_stages_keeps_the_path_length() -> None:

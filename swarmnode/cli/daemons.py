@@ -123,7 +123,12 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option("--stages", type=click.IntRange(min=1), default=None, help="Transformer stages (ids 0..S).")
 @click.option("--run-id", default=None, help="Name of the run on the DHT.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps of each data node.")
-@click.option("--microbatches", type=click.IntRange(min=1), default=None, help="Microbatches per iteration.")
+@click.option(
+    "--microbatches",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Microbatches per iteration for each replica of the narrowest stage.",
+)
 @click.option(
     "--data",
     default=None,

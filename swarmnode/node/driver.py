@@ -137,8 +137,7 @@ class DataNode(Node):
             evaluations = self.optimizer.step_count // self.eval_every
             if losses:
                 mean = sum(losses) / len(losses)
-                completed, total = len(losses), len(planned)
-                norm = await self.compute.submit(Priority.STEP, partial(self._step, completed, total, tick))
+                norm = await self.compute.submit(Priority.STEP, partial(self._step, len(losses), tick))
                 self.last_loss = mean
                 emit(
                     "step",
@@ -185,8 +184,9 @@ class DataNode(Node):
     def _tokens_per_mb(self) -> int:
         return self.spec.batch_size * self.spec.seq_len
 
-    def _step(self, completed: int, planned: int, tick: int) -> float:
-        norm = self.worker.step(planned / completed, tick)  # losses were weighted 1/planned: rescale
+    def _step(self, completed: int, tick: int) -> float:
+        # losses were weighted 1 / the run's microbatches (a replica's share): stage 0's update is the mean
+        norm = self.worker.step(self.spec.microbatches / completed, tick)
         self.outer.settle(self.optimizer.step_count)
         return norm
 
@@ -315,7 +315,7 @@ class DataNode(Node):
             )
             await self._carry_out(run, machine.handle(LossComputed(microbatch, loss)))
             return
-        scale = 1.0 / len(run.targets)
+        scale = 1.0 / self.spec.microbatches  # a replica's share of a data node's iteration is its mean
 
         def head() -> tuple[float, Tensor] | None:
             if not machine.awaits_loss(microbatch):  # closed or lost meanwhile: this belongs to no step

@@ -9,6 +9,9 @@ then only picks replicas); one that skips also lets SkipPipe reorder stages.
 CheckFree+ swaps are not the scheduler's choice: they are fixed by the iteration and the microbatch
 (`protocols.checkfree.swaps_edge_pairs`), so every data node and replica sees both orders evenly, whatever
 the timing.
+A data node sends `microbatches` for every replica of the narrowest live stage (`pipeline_width`): each
+replica trains on a batch of its own, as NoLoCo's replicas do, and a volunteer who joins a stage adds data to
+every step instead of splitting a fixed batch into noisier updates.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ def plan_iteration(
     alive = [k for k in range(1, spec.stages + 1) if read.online(k)]
     if not alive:
         return []
+    per_data_node = spec.microbatches * pipeline_width(read, alive)
     view_stages: list[list[int]] = []
     peers: list[str] = []
     forward_s: list[float] = []
@@ -143,7 +147,7 @@ def plan_iteration(
     view = SwarmView.build(view_stages, forward_s, link_costs(read, peers))
     skipping = spec.skip_ratio > 0
     rules = PathRules(
-        microbatches_per_data_node=spec.microbatches,
+        microbatches_per_data_node=per_data_node,
         skip_ratio=skip_ratio_of_live(spec.skip_ratio, spec.stages, len(alive)),
         # a run that skips nothing keeps every path in stage order: SkipPipe's reorderings are part of
         # opting in to its paths (they cost quality at small scale; see docs/design.md)
@@ -158,8 +162,8 @@ def plan_iteration(
     paths = mix_replicas(plan.paths, view, random.Random(seed))
 
     mine = data_nodes.index(me)
-    first = mine * spec.microbatches
-    ids = range(first, first + spec.microbatches)
+    first = mine * per_data_node
+    ids = range(first, first + per_data_node)
     visits: dict[int, int] = {}
     for mb in ids:
         for node in set(paths[mb][1:-1]):
@@ -183,6 +187,13 @@ def plan_iteration(
             )
         )
     return planned
+
+
+def pipeline_width(read: SwarmRead, stages: Collection[int]) -> int:
+    """How many pipelines the swarm runs side by side: the online replicas of the narrowest of `stages`
+    (at least 1). Each data node sends the run's `microbatches` per pipeline every iteration, so every replica
+    of the narrowest stage gets about a full batch of each data node's and wider stages no more than that."""
+    return max(1, min((len(read.online(k)) for k in stages), default=1))
 
 
 def not_ready_to_start(read: SwarmRead, me: str, spec: RunSpec) -> list[str]:

@@ -103,7 +103,7 @@ class StageNode(Node):
         if len(self.book) >= self._backlog_limit():  # accepted and not finished: queued or held
             raise Rejected(ErrorCode.BUSY, f"{len(self.book)} microbatches held or queued here")
         # a node is visited at most once per microbatch: a larger count is forged, and would stall steps
-        expected = min(message.visits[message.hop], self.spec.microbatches) if message.visits else 0
+        expected = min(message.visits[message.hop], self._most_per_data_node()) if message.visits else 0
         if not self.book.take(key, message.path[: message.hop], expected, time.monotonic()):
             raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
         self.spawn(self._forward(message, key, hidden), "forward")
@@ -134,7 +134,13 @@ class StageNode(Node):
         """How many microbatches this node takes at once: a few iterations of every data node's plan, so the
         activations a flood of forwards could pin in memory stay bounded (the router sends a refused
         forward to another replica, or skips the stage)."""
-        return BACKLOG_ITERATIONS * self.spec.microbatches * max(1, len(self.view().online(0)))
+        return BACKLOG_ITERATIONS * self._most_per_data_node() * max(1, len(self.view().online(0)))
+
+    def _most_per_data_node(self) -> int:
+        """The most microbatches one data node sends this node in an iteration: its `microbatches` for each
+        pipeline (`planning.pipeline_width`), all of them here if this node's replicas were refused or slow;
+        the pipelines are no more than this stage's replicas."""
+        return self.spec.microbatches * max(1, len(self.view().online(self.stage)))
 
     def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
         return self.book.may_abort(key, peer)
