@@ -15,11 +15,8 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any, TextIO
 
-from protocols.errors import LocalProtocolError
 from swarmnode.event_schema import (
     Finished,
     Joining,
@@ -36,11 +33,8 @@ from swarmnode.launcher.export import describe, export_model
 from swarmnode.launcher.kill_plan import Kill, KillPlan, RandomKills
 from swarmnode.launcher.nodes import (
     LaunchedNode,
-    daemon_entry,
     exit_message,
-    network_entry,
     read_node_metrics,
-    report_entry,
     short_peer,
     sites_text,
     stage_counts,
@@ -49,8 +43,7 @@ from swarmnode.launcher.nodes import (
 from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.procs import ChildProcess, LineTail, StopSignals, stop_all
 from swarmnode.launcher.record import RecoveryRecord, RunRecord
-from swarmnode.launcher.report import build_report, plot_loss, write_report
-from swarmnode.launcher.simulated import swarm_simulated_seconds
+from swarmnode.launcher.result import RunOutcome, SwarmResult, write_results
 
 TICK_S = 0.2  # supervision loop period
 BOOTSTRAP_TIMEOUT_S = 180.0  # the bootstrap's peers file must appear within this
@@ -58,21 +51,6 @@ FINISH_GRACE_S = 30.0  # once the run is finished, how long the other data nodes
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL on shutdown
 OBSERVE_INTERVAL_S = 2.0
 SNAPSHOT_STALE_S = 10.0
-
-
-class RunOutcome(Enum):
-    COMPLETED = "completed"
-    INTERRUPTED = "interrupted"
-    TIMEOUT = "timeout"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class SwarmResult:
-    outcome: RunOutcome
-    message: str
-    signum: int | None
-    report: dict[str, Any]
 
 
 class LocalSwarm:
@@ -399,27 +377,16 @@ class LocalSwarm:
             )
         self._read_events()
 
-    def _simulated(self) -> float | None:
-        try:
-            return swarm_simulated_seconds(self.config, self._final)
-        except (LocalProtocolError, OSError) as error:
-            self._display.event(f"warning: no simulated iteration time: {error}")
-            return None
-
     def _write_report(self, outcome: RunOutcome, message: str) -> dict[str, Any]:
-        config, record = self.config, self._record
-        nodes = [report_entry(child, None, None, killed=False) for child in self._helpers]
-        nodes += [daemon_entry(node) for node in self._nodes]
-        wall = time.monotonic() - self._started
-        network = None if config.network is None else network_entry(config.network, self._nodes)
-        settings, simulated = config.settings(), self._simulated()
-        report = build_report(
-            record, outcome.value, message, wall, settings, nodes, self._model, simulated, network
+        return write_results(
+            self.config,
+            self._record,
+            outcome,
+            message,
+            wall_seconds=time.monotonic() - self._started,
+            helpers=self._helpers,
+            nodes=self._nodes,
+            final=self._final,
+            model=self._model,
+            warn=self._display.event,
         )
-        write_report(self.out / "report.json", report)
-        title = (
-            f"swarmnode up: {config.preset}, {config.data_nodes} data nodes, {config.stages} stages x "
-            f"{config.replicas}, {len(record.failures)} failures, {len(record.recoveries)} recoveries"
-        )
-        plot_loss(self.out / "loss.png", record, title)
-        return report

@@ -16,10 +16,10 @@ from swarmnode.cli.up import summary
 from swarmnode.event_schema import Step, parse_line
 from swarmnode.launcher import observe
 from swarmnode.launcher.display import Display, StageCount, status_line
-from swarmnode.launcher.local_swarm import RunOutcome, SwarmResult
 from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.record import RunRecord
 from swarmnode.launcher.report import build_report, plot_loss, write_report
+from swarmnode.launcher.result import RunOutcome, SwarmResult
 
 START = 1_700_000_000.0
 
