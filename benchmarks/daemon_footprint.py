@@ -47,6 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from procinfo import group_stats  # noqa: E402
 from swarm_harness import LocalTestSwarm, NodeProcess  # noqa: E402
 
 STEPS = 100_000  # never reached: the benchmark stops the swarm after its phases
@@ -54,7 +55,6 @@ START_S = 180.0
 SETTLE_S = 5.0  # after a phase's change (nodes online, data node started or stopped) before sampling
 PHASES = ("idle", "training", "after")
 KINDS = ("node", "dht", "p2pd", "other")
-_TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -66,20 +66,6 @@ class ProcId:
     started: int
     pgid: int
     comm: str
-
-
-def _stat(pid: int) -> tuple[ProcId, float] | None:
-    """The process and its CPU seconds so far (user + system), or None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    comm = text[text.index("(") + 1 : text.rindex(")")]
-    rest = text[text.rindex(")") + 2 :].split()
-    if rest[0] == "Z":
-        return None
-    cpu = (int(rest[11]) + int(rest[12])) / _TICK
-    return ProcId(pid, int(rest[19]), int(rest[2]), comm), cpu
 
 
 def _memory(pid: int) -> tuple[int, int] | None:
@@ -96,13 +82,7 @@ def _memory(pid: int) -> tuple[int, int] | None:
 
 def members(pgids: set[int]) -> dict[ProcId, float]:
     """Live processes of the given process groups, with their CPU seconds so far."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat(int(entry))
-            if stat is not None and stat[0].pgid in pgids:
-                found[stat[0]] = stat[1]
-    return found
+    return {ProcId(s.pid, s.started, s.pgid, s.comm): s.cpu_seconds for s in group_stats(pgids)}
 
 
 def kind_of(proc: ProcId) -> str:
