@@ -11,8 +11,9 @@ and averaged there over the data nodes), so the swarm's loss is its validation l
 
 The reference is the single-process trainer (`swarmnode.trainer.train`, same preset, stages and seed, its
 default validation batches, the same ones the data nodes evaluate; with the same seed it reads the same
-batches in the same order as a swarm's lone data node, so the 1xR rows compare pairwise: the loss moves by
-several percent from seed to seed with the data order alone), run in this process with one torch
+batches in the same order as a swarm's lone data node, so the 1x1 row compares pairwise at equal steps and
+the 1xR rows at equal tokens: the loss moves by several percent from seed to seed with the data order
+alone), run in this process with one torch
 thread (a daemon's budget: two threads ran ten times slower on a busy 2-core machine). Its learning-rate
 schedule (warm-up, then cosine decay to the last step) depends on the run's length, so it trains once per
 length it is compared at, each a complete run like the swarm's own:
@@ -36,10 +37,12 @@ validation loss at step N) are counted as such and left out of the figures; thei
     python benchmarks/swarm_quality.py --swarm-runs out.json --markdown quality.md   # re-tabulate only
     python benchmarks/swarm_quality.py --configs 2x1 --seeds 0 --checkfree-plus on --repeats 3   # spread
 
-How long it takes, on two cores: each swarm run of 100 steps takes about 80-100 s, so the default matrix
-(5 configurations x 2 CheckFree+ settings x 3 seeds = 30 runs) takes about 45-50 minutes; the trainer's
-runs (N and 2N steps of 1,024 tokens per seed for the default: 900 steps at 1,000-2,000 tokens/s on one
-thread) add 8-15 minutes.
+How long it takes, on two idle cores: a swarm run of 100 steps takes about 0.3 s a step per batch it trains
+on (1x2: 60 s, 2x2: 110 s), so the default matrix (5 configurations x 2 CheckFree+ settings x 3 seeds = 30
+runs, 2,000 batches a seed) takes about 60 minutes; the trainer's runs (N, 2N, 4N and 6N steps of 1,024
+tokens per seed: 3,900 steps in all at 5,500 tokens/s on one idle thread) add about 12 minutes. Runs
+recorded before the batch per pipeline (`--swarm-runs` of sessions 4-9, no `batches_per_step`) trained D
+batches a step, not D x R: their equal-token figures from this script are wrong.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ from swarmnode.presets import get_preset
 from swarmnode.trainer import Progress, TrainConfig, train
 
 EVAL_EVERY = 25  # the data nodes' evaluation period (`swarmnode.node.driver.DataNode`)
-SECONDS_PER_STEP = 20  # `up --timeout`: generous, a calm run of the tiny preset needs about 1 s a step
+# `up --timeout` per step and batch a step trains on (`SwarmShape.batches_per_step`): generous, a calm run
+# of the tiny preset needs about 0.3 s a step per batch on two idle cores
+SECONDS_PER_BATCH = 10
 GRACE_S = 180.0  # beyond `up --timeout` before the benchmark stops `up` itself
 STOP_S = 60.0  # after SIGTERM, before SIGKILL
 DEFAULT_CONFIGS = "1x1,2x1,1x2,2x2,2x3"
@@ -159,6 +164,7 @@ def swarm_run(
     out = base / (
         f"{shape.name}-cfp-{label(checkfree_plus)}-seed{seed}" + (f"-run{repeat}" if repeat else "")
     )
+    timeout = SECONDS_PER_BATCH * shape.batches_per_step * args.steps
     command = [
         sys.executable,
         "-m",
@@ -181,12 +187,12 @@ def swarm_run(
         "--run-id",
         f"quality{uuid.uuid4().hex[:8]}",
         "--timeout",
-        str(SECONDS_PER_STEP * args.steps),
+        str(timeout),
         "--out",
         str(out),
     ]
     started = time.monotonic()
-    returncode = run_up(command, out.name, base, SECONDS_PER_STEP * args.steps + GRACE_S)
+    returncode = run_up(command, out.name, base, timeout + GRACE_S)
     seconds = time.monotonic() - started
     report = read_report(out / "report.json")
     curve = mean_per_step(report.get("val_curve") or []) if report else {}
@@ -202,6 +208,7 @@ def swarm_run(
         "config": shape.name,
         "data_nodes": shape.data_nodes,
         "replicas": shape.replicas,
+        "batches_per_step": shape.batches_per_step,
         "seed": seed,
         "repeat": repeat,
         "checkfree_plus": checkfree_plus,

@@ -35,7 +35,7 @@ from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.links import MAX_LINK_COSTS, MAX_SITE_CHARS, LinkCost
 from protocols.manifest import MAX_NAME, MAX_TENSORS, TensorSpec, manifest_field, same_layout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a data node sends a batch per pipeline (`planning.pipeline_width`)
 MAX_MESSAGE_BYTES = 1 << 20  # control metadata only; tensors travel beside it
 MAX_RECORD_BYTES = 8192  # DHT records: hivemind's DHT failed with values near 60 KB
 MAX_TEXT = 1024  # longest string of any field

@@ -85,11 +85,13 @@ class _Hops:
 @dataclass(frozen=True)
 class StepDecision:
     """Step now: one update per group of `updates` (the closed groups whose gradients reached this node,
-    oldest iteration first, each with the learning rate of its own iteration), `applied` microbatches in all.
-    A decision with no update only closes groups whose microbatches were all aborted."""
+    oldest iteration first, each with the learning rate of its own iteration), `shares[i]` microbatches
+    applied in `updates[i]`, `applied` in all. A decision with no update only closes groups whose
+    microbatches were all aborted."""
 
     updates: tuple[Group, ...]
     applied: int
+    shares: tuple[int, ...]
 
     @property
     def iteration(self) -> int | None:
@@ -198,7 +200,11 @@ class StepBook:
             return None
         self._first_taken_at = math.inf  # the first tick is over: the ticks before say who sends
         updates = sorted((group for group in due if self._groups[group].applied), key=lambda g: (g[1], g[0]))
-        decision = StepDecision(tuple(updates), sum(self._groups[group].applied for group in due))
+        decision = StepDecision(
+            tuple(updates),
+            sum(self._groups[group].applied for group in due),
+            tuple(self._groups[group].applied for group in updates),
+        )
         for group in due:
             if not self._groups[group].awaited:  # an await that ran out closes nothing: its forwards, if
                 self._closed[group] = now  # they come late, open the group afresh for a later step

@@ -100,6 +100,9 @@ class RunSpec(Schema):
     seed: int = field(default=0, metadata=checked(count(SEED_LIMIT, minimum=-SEED_LIMIT - 1)))
     # per data node, iteration and pipeline (`planning.pipeline_width`)
     microbatches: int = field(default=4, metadata=POSITIVE)
+    # the most pipelines a data node feeds: its work per step grows with them, and online records cost
+    # nothing to forge
+    max_pipelines: int = field(default=4, metadata=POSITIVE)
     batch_size: int = field(default=8, metadata=POSITIVE)
     seq_len: int = field(default=128, metadata=POSITIVE)
     lr: float = field(default=3e-3, metadata=ABOVE_ZERO)

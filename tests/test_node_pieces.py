@@ -137,8 +137,11 @@ def test_the_narrowest_stage_sets_how_many_pipelines_a_data_node_feeds() -> None
     spec = RunSpec(run_id="r", stages=3, microbatches=2, checkfree_plus=False)
     wide = swarm_read(s0=("d",), s1=("a1", "a2", "a3"), s2=("b1", "b2"), s3=("c1", "c2", "c3"))
     narrow = swarm_read(s0=("d",), s1=("a1", "a2"), s2=("b1",), s3=("c1", "c2"))
-    assert pipeline_width(wide, (1, 2, 3)) == 2 and pipeline_width(narrow, (1, 2, 3)) == 1
-    assert pipeline_width(wide, ()) == 1
+    assert pipeline_width(wide, (1, 2, 3), most=4) == 2 and pipeline_width(narrow, (1, 2, 3), most=4) == 1
+    assert pipeline_width(wide, (), most=4) == 1
+    assert pipeline_width(wide, (1, 3), most=2) == 2  # the run's max_pipelines bounds a data node's work
+    capped = RunSpec(run_id="r", stages=3, microbatches=2, checkfree_plus=False, max_pipelines=1)
+    assert len(plan_iteration(wide, "d", capped, iteration=0, tokens_per_microbatch=1024)) == 2
     assert len(plan_iteration(wide, "d", spec, iteration=0, tokens_per_microbatch=1024)) == 4
     planned = plan_iteration(narrow, "d", spec, iteration=0, tokens_per_microbatch=1024)
     assert len(planned) == 2 and {mb.path[2] for mb in planned} == {"b1"}

@@ -134,7 +134,7 @@ def plan_iteration(
     alive = [k for k in range(1, spec.stages + 1) if read.online(k)]
     if not alive:
         return []
-    per_data_node = spec.microbatches * pipeline_width(read, alive)
+    per_data_node = spec.microbatches * pipeline_width(read, alive, spec.max_pipelines)
     view_stages: list[list[int]] = []
     peers: list[str] = []
     forward_s: list[float] = []
@@ -189,11 +189,12 @@ def plan_iteration(
     return planned
 
 
-def pipeline_width(read: SwarmRead, stages: Collection[int]) -> int:
-    """How many pipelines the swarm runs side by side: the online replicas of the narrowest of `stages`
-    (at least 1). Each data node sends the run's `microbatches` per pipeline every iteration, so every replica
-    of the narrowest stage gets about a full batch of each data node's and wider stages no more than that."""
-    return max(1, min((len(read.online(k)) for k in stages), default=1))
+def pipeline_width(read: SwarmRead, stages: Collection[int], most: int) -> int:
+    """How many pipelines the swarm runs side by side: the online replicas of the narrowest of `stages`, at
+    least 1 and at most `most`. Each data node sends the run's `microbatches` per pipeline every iteration, so
+    every replica of the narrowest stage gets about a full batch of each data node's (wider stages, or more
+    replicas than `most`: less)."""
+    return max(1, min(most, min((len(read.online(k)) for k in stages), default=1)))
 
 
 def not_ready_to_start(read: SwarmRead, me: str, spec: RunSpec) -> list[str]:

@@ -14,7 +14,7 @@ from protocols.errors import LocalProtocolError
 from protocols.membership import Probe, Probed, Rebalance, RebalanceAction, Viewed, Wait
 from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
 from protocols.standins import StandIns, edge_places
-from protocols.stepbook import Group, MicrobatchKey, StepBook
+from protocols.stepbook import Group, MicrobatchKey, StepBook, StepDecision
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import Priority
 from swarmnode.node.context import NodeContext
@@ -137,10 +137,13 @@ class StageNode(Node):
         return BACKLOG_ITERATIONS * self._most_per_data_node() * max(1, len(self.view().online(0)))
 
     def _most_per_data_node(self) -> int:
-        """The most microbatches one data node sends this node in an iteration: its `microbatches` for each
-        pipeline (`planning.pipeline_width`), all of them here if this node's replicas were refused or slow;
-        the pipelines are no more than this stage's replicas."""
-        return self.spec.microbatches * max(1, len(self.view().online(self.stage)))
+        """The most microbatches one data node's plan may send this node in an iteration: the data node sends
+        `microbatches` per pipeline (`planning.pipeline_width`), no more pipelines than this stage has
+        replicas, and a replica with slow links can leave its share to this one. One replica more than this
+        node sees: a data node's read may have one this node's lacks, and a count below the plan's would close
+        the group early and refuse the rest of it (a count above it only holds the step, until the group's
+        expiry)."""
+        return self.spec.microbatches * (len({*self.view().online(self.stage), self.me}) + 1)
 
     def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
         return self.book.may_abort(key, peer)
@@ -267,7 +270,7 @@ class StageNode(Node):
                 await self.compute.submit(Priority.STEP, lambda: self.outer.apply_pending(clock))
             return False
         keep = self.book.groups
-        norms = await self.compute.submit(Priority.STEP, lambda: self._step(decision.updates, keep))
+        norms = await self.compute.submit(Priority.STEP, lambda: self._step(decision, keep))
         if any(not math.isfinite(norm) for norm in norms):
             logger.warning("non-finite gradient norm: update skipped")
         if decision.updates:
@@ -278,10 +281,17 @@ class StageNode(Node):
                 self.spawn(self.refresh_copies(), "copies")
         return True
 
-    def _step(self, updates: tuple[Group, ...], keep: set[Group]) -> list[float]:
+    def _step(self, decision: StepDecision, keep: set[Group]) -> list[float]:
         """On the compute thread, in one job (no forward may run between the updates): one update per group,
-        then drop the gradients of groups closed without one, then the outer update this tick brings."""
-        norms = [norm for group in updates if (norm := self.worker.step_group(group)) is not None]
+        then drop the gradients of groups closed without one, then the outer update this tick brings.
+        Each group's gradient is the mean over the microbatches it applied here: the data node weighted each
+        loss 1 / `microbatches` (a pipeline's batch), and a replica may get more or fewer (an uneven deal, a
+        wider stage, a lost microbatch)."""
+        norms = [
+            norm
+            for group, share in zip(decision.updates, decision.shares, strict=True)
+            if (norm := self.worker.step_group(group, self.spec.microbatches / share)) is not None
+        ]
         self.worker.discard_gradients_except(keep)
         self.outer.settle(self.optimizer.step_count)
         return norms

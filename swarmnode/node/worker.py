@@ -148,14 +148,14 @@ class StageWorker:
             self._scales.pop(group, None)
         return len(stale)
 
-    def step_group(self, group: Group) -> float | None:
-        """One optimizer update with `group`'s gradients, at the learning rate of its iteration; the gradient
-        norm, or None if the group has no gradients here."""
+    def step_group(self, group: Group, grad_scale: float = 1.0) -> float | None:
+        """One optimizer update with `group`'s gradients times `grad_scale`, at the learning rate of its
+        iteration; the gradient norm, or None if the group has no gradients here."""
         if group not in self._grads:
             return None
         self._load_grads(group)
         del self._grads[group]
-        norm = self.optimizer.step(1.0 / self._scales.pop(group, 1.0), group[1])
+        norm = self.optimizer.step(grad_scale / self._scales.pop(group, 1.0), group[1])
         self.scaler.update(overflowed=not math.isfinite(norm))
         return norm
 

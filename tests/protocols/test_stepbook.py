@@ -20,6 +20,20 @@ def test_steps_only_when_every_planned_microbatch_finished() -> None:
     book.finish(key("d", 0, 1), applied=False, now=0.0)  # aborted
     decision = book.ready(held=0, now=0.4)
     assert decision is not None and (len(decision.updates), decision.applied, decision.iteration) == (1, 1, 0)
+    assert decision.shares == (1,)  # the update is the mean over the one microbatch applied
+
+
+def test_each_update_says_how_many_microbatches_it_applied() -> None:
+    book = StepBook(expiry_s=30.0)
+    for origin, count in (("d1", 3), ("d2", 1)):
+        for mb in range(count):
+            assert book.take(key(origin, 0, mb), (origin,), expected=count, now=0.0)
+            book.finish(key(origin, 0, mb), applied=True, now=0.0)
+    decision = book.ready(held=0, now=0.1)
+    assert decision is not None and dict(zip(decision.updates, decision.shares, strict=True)) == {
+        ("d1", 0): 3,
+        ("d2", 0): 1,
+    }
 
 
 def test_the_decision_names_the_latest_iteration_applied() -> None:
