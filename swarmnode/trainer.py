@@ -90,8 +90,9 @@ def train(
 ) -> TrainResult:
     """Train `config.preset` for `config.steps` steps in this process and return the figures.
 
-    One step is one swarm iteration: `preset.microbatches` microbatches whose gradients accumulate (each
-    weighted 1 / microbatches), then one optimizer step per stage.
+    One step is one pipeline's batch of a swarm iteration: `preset.microbatches` microbatches whose gradients
+    accumulate (each weighted 1 / microbatches), then one optimizer step per stage. A swarm step trains on a
+    batch per data node and pipeline (`planning.pipeline_width`).
     """
     preset: Preset = get_preset(config.preset)
     n_stages = config.stages if config.stages is not None else preset.n_stages
@@ -120,7 +121,8 @@ def train(
     initial_val = evaluate(data_piece, stages, fixed_val, precision)
     val_loss = initial_val
     # what the data node of a swarm with one data node reads, in the same order, so that a swarm and this
-    # trainer with the same seed see the same batches (their losses are then compared pairwise)
+    # trainer with the same seed see the same batches (compared pairwise: a 1xR swarm's step N with this
+    # trainer's step R x N)
     tokens, order = data_node_tokens(corpus.train_tokens, (0, 1), config.seed, "")
     stream = batches(tokens, preset.batch_size, preset.seq_len, seed=order)
     tokens_per_step = preset.microbatches * preset.batch_size * preset.seq_len

@@ -65,7 +65,7 @@ class FiniteFloatRange(click.FloatRange):
     type=click.IntRange(min=1),
     default=2,
     show_default=True,
-    help="Nodes per transformer stage.",
+    help="Nodes per transformer stage (each adds a batch per data node and step, up to 4).",
 )
 @click.option(
     "--data-nodes",
