@@ -19,6 +19,7 @@ from swarmnode.identity import Identity
 from swarmnode.model import build_stage
 from swarmnode.model_config import ModelConfig
 from swarmnode.node.planning import (
+    DEFAULT_FORWARD_S,
     RememberedView,
     SwarmRead,
     lost_stages,
@@ -26,6 +27,7 @@ from swarmnode.node.planning import (
     pipeline_width,
     plan_iteration,
     skip_ratio_of_live,
+    stage_forward_seconds,
 )
 from swarmnode.node.state import (
     StateMismatch,
@@ -145,6 +147,15 @@ def test_the_narrowest_stage_sets_how_many_pipelines_a_data_node_feeds() -> None
     assert len(plan_iteration(wide, "d", spec, iteration=0, tokens_per_microbatch=1024)) == 4
     planned = plan_iteration(narrow, "d", spec, iteration=0, tokens_per_microbatch=1024)
     assert len(planned) == 2 and {mb.path[2] for mb in planned} == {"b1"}
+
+
+def test_a_replica_not_yet_measured_costs_what_its_measured_partners_do() -> None:
+    # costed apart (a default), a replica just measured and its unmeasured partner were dealt uneven shares
+    # in the first ticks, by which announced its throughput first: two runs of one seed then differed
+    slow, fast = (PeerRecord(n, record(1, throughput=rate), 0.0) for n, rate in (("a", 1e3), ("c", 4e3)))
+    fresh = PeerRecord("b", record(1), 0.0)
+    assert stage_forward_seconds([slow, fresh, fast], tokens=100) == pytest.approx([0.1, 0.0625, 0.025])
+    assert stage_forward_seconds([fresh, None], tokens=100) == [DEFAULT_FORWARD_S] * 2
 
 
 def test_the_skip_ratio_over_the_live_stages_keeps_the_path_length() -> None:

@@ -58,6 +58,7 @@ from swarmnode.transport import Compression, Reply
 logger = logging.getLogger(__name__)
 
 VIEW_GRACE_TTLS = 2  # a peer missing from the latest read is still routed to for this many record TTLs
+MEASURED_AFTER = 8  # microbatches served before a node announces its throughput (`measured_throughput`)
 
 
 class Node(ABC):
@@ -221,8 +222,15 @@ class Node(ABC):
                 {p.peer_id: p.record.site for ps in self.swarm_read.stages.values() for p in ps}
             )
 
-    def record(self) -> NodeRecord:
+    def measured_throughput(self) -> float:
+        """Tokens a second of compute, as the planners cost this node by; 0 (not measured yet) until it has
+        served `MEASURED_AFTER` microbatches, whose first ones are slower (allocation, caches)."""
         busy = self.compute.busy_seconds
+        if self.microbatches_served < MEASURED_AFTER or busy <= 0:
+            return 0.0
+        return self.tokens_processed / busy
+
+    def record(self) -> NodeRecord:
         return NodeRecord(
             state=self.state,
             stage=self.stage,
@@ -230,7 +238,7 @@ class Node(ABC):
             outer_step=self.outer.outer_step,
             loss=self.last_loss,
             grad_norm=self.optimizer.last_grad_norm,
-            throughput=self.tokens_processed / busy if busy > 0 else 0.0,
+            throughput=self.measured_throughput(),
             queue_depth=self.compute.depth,
             copies=tuple(self.copies),
             microbatches_lost=self.microbatches_lost,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -141,9 +142,8 @@ def plan_iteration(
     for stage in (0, *alive):
         members = data_nodes if stage == 0 else sorted(read.online(stage))
         view_stages.append(list(range(len(peers), len(peers) + len(members))))
-        for peer in members:
-            peers.append(peer)
-            forward_s.append(_forward_seconds(read.record(peer), tokens_per_microbatch))
+        peers.extend(members)
+        forward_s.extend(stage_forward_seconds([read.record(p) for p in members], tokens_per_microbatch))
     view = SwarmView.build(view_stages, forward_s, link_costs(read, peers))
     skipping = spec.skip_ratio > 0
     rules = PathRules(
@@ -241,7 +241,13 @@ def link_costs(read: SwarmRead, peers: Sequence[str]) -> Callable[[int, int], fl
     return cost
 
 
-def _forward_seconds(peer: PeerRecord | None, tokens: int) -> float:
-    if peer is None or peer.record.throughput <= 0:
-        return DEFAULT_FORWARD_S
-    return tokens / peer.record.throughput
+def stage_forward_seconds(members: Sequence[PeerRecord | None], tokens: int) -> list[float]:
+    """Each member's seconds for a microbatch of `tokens`, from the throughput its record announces. A
+    member not yet measured (throughput 0: it has served too few microbatches to tell) costs what its
+    stage's measured members cost (their median), else `DEFAULT_FORWARD_S`: costed apart, a replica just
+    measured and its unmeasured partner were often more than `EVEN_WITHIN` apart, and the first ticks'
+    deal of microbatches between replicas, and with it the model, depended on which measured first."""
+    rates = [m.record.throughput if m is not None else 0.0 for m in members]
+    measured = sorted(tokens / rate for rate in rates if rate > 0)
+    unknown = statistics.median(measured) if measured else DEFAULT_FORWARD_S
+    return [tokens / rate if rate > 0 else unknown for rate in rates]
