@@ -28,21 +28,25 @@ from protocols.standins import MIN_STAND_INS, STAND_IN_WINDOW_STEPS
 
 DEFAULT_LR_FACTOR = 1.1
 SWAP_MIN_STAGES = 4  # CheckFree+ swaps need the first pair (S1, S2) and the last (S(s-1), Ss) to be apart
+SWAP_EVERY = 2  # CheckFree+ swaps one microbatch in this many: the paper's half
 
 
-def swaps_edge_pairs(num_stages: int, iteration: int, microbatch: int) -> bool:
+def swaps_edge_pairs(num_stages: int, iteration: int, microbatch: int, every: int = SWAP_EVERY) -> bool:
     """Whether CheckFree+ runs this microbatch with its edge pairs swapped.
 
-    Exactly every other microbatch of an iteration, alternating between iterations (so a data node with a
-    single microbatch per iteration swaps every other iteration): every data node, and every replica its
-    paths visit, sees both orders evenly, whatever the timing. `microbatch` numbers the microbatches of the
-    whole iteration across data nodes. Models of fewer than `SWAP_MIN_STAGES` transformer stages never
-    swap: there the two pairs share a stage, and swapping both would permute most of the network (measured
-    on a 3-stage model: the result then depends on timing; see docs/design.md).
+    Exactly one microbatch in `every` (the paper's every other), shifting by one between iterations (so a
+    data node with a single microbatch per iteration swaps one iteration in `every`): every data node, and
+    every replica its paths visit, sees both orders evenly, whatever the timing. Swapping fewer (`every` =
+    4) was measured in one process (`benchmarks/repro/swap_share.py`, docs/swarm-quality.md). `microbatch`
+    numbers the microbatches of the whole iteration across data nodes. Models of fewer than
+    `SWAP_MIN_STAGES` transformer stages never swap: there the two pairs share a stage, and swapping both
+    would permute most of the network (measured on a 3-stage model: the result then depends on timing; see
+    docs/design.md).
     """
-    if num_stages < 1 or iteration < 0 or microbatch < 0:
-        raise LocalProtocolError(f"invalid swap query ({num_stages}, {iteration}, {microbatch})")
-    return num_stages >= SWAP_MIN_STAGES and (iteration + microbatch) % 2 == 1
+    if num_stages < 1 or iteration < 0 or microbatch < 0 or every < 2:
+        query = f"{num_stages}, {iteration}, {microbatch}, every {every}"
+        raise LocalProtocolError(f"invalid swap query ({query})")
+    return num_stages >= SWAP_MIN_STAGES and (iteration + microbatch) % every == every - 1
 
 
 def swap_partner(stage: int, num_stages: int) -> int | None:

@@ -58,6 +58,7 @@ class Setup:
     lr: float = 3e-3
     warmup: int = 10
     val_batches: int = 4
+    swap_every: int = 2  # CheckFree+ swaps one microbatch in this many (`swaps_edge_pairs`)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         tiny = get_preset("tiny").model
@@ -125,7 +126,7 @@ class StagedModel:
         total = 0.0
         for m in range(n):
             inputs, targets = data.batch(self.seed, self.step, m)
-            swapped = checkfree_plus and swaps_edge_pairs(self.n_stages, self.step, m)
+            swapped = checkfree_plus and swaps_edge_pairs(self.n_stages, self.step, m, self.setup.swap_every)
             order = self.order(swapped)
             self._count_stand_ins(order)
             loss = self._data_piece().loss(self._hidden(inputs, order), targets)

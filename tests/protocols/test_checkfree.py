@@ -439,6 +439,16 @@ def test_every_other_microbatch_swaps_alternating_between_iterations() -> None:
         assert sum(swaps_edge_pairs(4, t, m) for t in (7, 8)) == 1
 
 
+def test_a_quarter_of_the_microbatches_swap_evenly_when_asked() -> None:
+    # one in four, still even: every slot swaps once in any four iterations, one slot of four per iteration
+    for m in range(5):
+        assert sum(swaps_edge_pairs(6, t, m, every=4) for t in range(3, 7)) == 1
+    for t in range(4):
+        assert sum(swaps_edge_pairs(6, t, m, every=4) for m in range(4)) == 1
+    with pytest.raises(LocalProtocolError, match="every 1"):
+        swaps_edge_pairs(6, 0, 0, every=1)
+
+
 def test_models_of_fewer_than_four_stages_never_swap() -> None:
     assert not any(swaps_edge_pairs(s, t, m) for s in (1, 2, 3) for t in range(4) for m in range(4))
     with pytest.raises(LocalProtocolError):
