@@ -39,7 +39,8 @@ validation loss at step N) are counted as such and left out of the figures; thei
 
 How long it takes, on two idle cores: a swarm run of 100 steps takes about 0.3 s a step per batch it trains
 on (1x2: 60 s, 2x2: 110 s), so the default matrix (5 configurations x 2 CheckFree+ settings x 3 seeds = 30
-runs, 2,000 batches a seed) takes about 60 minutes; the trainer's runs (N, 2N, 4N and 6N steps of 1,024
+runs, 3,000 step-batches a seed) should take about an hour, start-ups included (estimated from session 10's
+runs; the whole default matrix was not run since); the trainer's runs (N, 2N, 4N and 6N steps of 1,024
 tokens per seed: 3,900 steps in all at 5,500 tokens/s on one idle thread) add about 12 minutes. Runs
 recorded before the batch per pipeline (`--swarm-runs` of sessions 4-9, no `batches_per_step`) trained D
 batches a step, not D x R: their equal-token figures from this script are wrong.

@@ -248,6 +248,6 @@ def stage_forward_seconds(members: Sequence[PeerRecord | None], tokens: int) -> 
     measured and its unmeasured partner were often more than `EVEN_WITHIN` apart, and the first ticks'
     deal of microbatches between replicas, and with it the model, depended on which measured first."""
     rates = [m.record.throughput if m is not None else 0.0 for m in members]
-    measured = sorted(tokens / rate for rate in rates if rate > 0)
+    measured = [tokens / rate for rate in rates if rate > 0]
     unknown = statistics.median(measured) if measured else DEFAULT_FORWARD_S
     return [tokens / rate if rate > 0 else unknown for rate in rates]

@@ -139,11 +139,12 @@ class StageNode(Node):
     def _most_per_data_node(self) -> int:
         """The most microbatches one data node's plan may send this node in an iteration: the data node sends
         `microbatches` per pipeline (`planning.pipeline_width`), no more pipelines than this stage has
-        replicas, and a replica with slow links can leave its share to this one. One replica more than this
-        node sees: a data node's read may have one this node's lacks, and a count below the plan's would close
-        the group early and refuse the rest of it (a count above it only holds the step, until the group's
-        expiry)."""
-        return self.spec.microbatches * (len({*self.view().online(self.stage), self.me}) + 1)
+        replicas nor than the run's `max_pipelines`, and a replica with slow links can leave its share to this
+        one. One replica more than this node sees: a data node's read may have one this node's lacks, and a
+        count below the plan's would close the group early and refuse the rest of it (a count above it only
+        holds the step, until the group's expiry)."""
+        replicas = len({*self.view().online(self.stage), self.me})
+        return self.spec.microbatches * min(replicas + 1, self.spec.max_pipelines)
 
     def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
         return self.book.may_abort(key, peer)
