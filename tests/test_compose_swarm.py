@@ -18,6 +18,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from swarm_harness import HarnessError, event_objects, poll
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILES = ("docker-compose.yml", "tests/compose/loopback.yml")
 STEPS = 8
+STATUS_SETTLE_S = 30.0  # how long the status read may take to show every node at the last step
 SCALE = {"data": 2, "stage2": 2}
 
 SUITE = "bookworm"  # Debian 12: python3 is 3.11, as the project's
@@ -268,12 +270,19 @@ def test_scaled_compose_swarm_trains_on_loopback(project: ComposeProject) -> Non
                 assert event["address"].startswith("/ip4/127.0.0.1/"), event
 
     # `swarmnode status` from inside a container: the whole swarm, every node at the last step (the data
-    # nodes linger after it)
-    status = project(
-        "exec", "-T", "bootstrap", "swarmnode", "status", "--initial-peers", "/swarm/peers.txt", "--json",
-        timeout=120,
-    )  # fmt: skip
-    summary = json.loads(status.strip().splitlines()[-1])
+    # nodes linger after it). A stage replica the last tick's plan sent nothing takes the clock from the data
+    # nodes' records (once a second), so its record can show the step before for a moment: read again until
+    # every record shows the last step, for at most STATUS_SETTLE_S
+    settle_by = time.monotonic() + STATUS_SETTLE_S
+    while True:
+        status = project(
+            "exec", "-T", "bootstrap", "swarmnode", "status", "--initial-peers", "/swarm/peers.txt", "--json",
+            timeout=120,
+        )  # fmt: skip
+        summary = json.loads(status.strip().splitlines()[-1])
+        steps = [p["step"] for s in summary["stages"] for p in s["peers"] if p["state"] == "online"]
+        if all(step == STEPS for step in steps) or time.monotonic() > settle_by:
+            break
     assert summary["complete"] and summary["run"]["total_steps"] == STEPS, summary
     online = {s["stage"]: [p for p in s["peers"] if p["state"] == "online"] for s in summary["stages"]}
     assert {k: len(peers) for k, peers in online.items()} == {0: 2, 1: 1, 2: 2, 3: 1}, summary
