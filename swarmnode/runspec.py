@@ -32,6 +32,9 @@ from swarmnode.source_spec import DataSource, SourceSpecError
 COMPRESSIONS = ("none", "float16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 COMPUTE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `precision.COMPUTE_DTYPES`, torch-free
+# how data nodes choose a run's paths (`node.planning`): SkipPipe's scheduler, or the paper's baseline of
+# random skips on fixed pipelines, blind to collisions (for benchmarks: `benchmarks/wan_swarm.py`)
+PLANNERS = ("skippipe", "random_skips")
 
 
 class RunSpecError(ValueError):
@@ -110,6 +113,7 @@ class RunSpec(Schema):
     total_steps: int = field(default=1000, metadata=POSITIVE)
     max_grad_norm: float = field(default=1.0, metadata=ABOVE_ZERO)
     skip_ratio: float = field(default=0.0, metadata=checked(_fraction))
+    planner: str = field(default="skippipe", metadata=checked(one_of(frozenset(PLANNERS))))
     # a fresh swarm trains once this many data nodes are online (they start together)
     min_data_nodes: int = field(default=1, metadata=POSITIVE)
     node_memory: int = field(default=4, metadata=POSITIVE)
@@ -174,6 +178,8 @@ class RunSpec(Schema):
                     f"init_digests must be {self.stages + 1} SHA-256 hex digests (stages 0..{self.stages}), "
                     "comma separated"
                 )
+        if self.planner == "random_skips" and self.skip_ratio == 0:
+            raise RunSpecError("planner 'random_skips' picks the stages to skip: give a skip_ratio above 0")
         if self.record_ttl_s <= self.record_period_s:
             raise RunSpecError("record_ttl_s must exceed record_period_s")
 

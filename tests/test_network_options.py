@@ -70,7 +70,8 @@ def test_up_places_nodes_by_the_placement_then_round_robin(
 ) -> None:
     path = links_file(tmp_path, {**TWO_SITES, "placement": {"s2r1": "A", "data2": "A"}})
     result = CliRunner().invoke(
-        up_module.up, ["--network", str(path), "--skip-ratio", "0.34", "--stages", "3"]
+        up_module.up,
+        ["--network", str(path), "--skip-ratio", "0.34", "--planner", "random_skips", "--stages", "3"],
     )
     assert result.exit_code == 0, result.output
     [config] = started
@@ -87,6 +88,7 @@ def test_up_places_nodes_by_the_placement_then_round_robin(
     }
     bootstrap = config.bootstrap_argv()
     assert bootstrap[bootstrap.index("--skip-ratio") + 1] == "0.34"
+    assert bootstrap[bootstrap.index("--planner") + 1] == "random_skips" == config.settings()["planner"]
     assert bootstrap[bootstrap.index("--min-data-nodes") + 1] == str(config.data_nodes)  # they start together
     argv = config.join_argv(1, None, config.placement["s1r1"])
     assert argv[argv.index("--network") + 1] == str(path.resolve()) and argv[argv.index("--site") + 1] == "B"
@@ -108,6 +110,8 @@ def test_up_takes_the_twelve_sites(started: list[SwarmConfig]) -> None:
         ({**TWO_SITES, "links": []}, [], "no link between A and B"),
         (TWO_SITES, ["--skip-ratio", "1"], "Invalid value for '--skip-ratio'"),
         (TWO_SITES, ["--skip-ratio", "nan"], "'nan' is not a finite number"),
+        (TWO_SITES, ["--planner", "random_skips"], "planner 'random_skips' picks the stages to skip"),
+        (TWO_SITES, ["--planner", "random"], "Invalid value for '--planner'"),
     ],
 )
 def test_up_refuses_bad_networks(

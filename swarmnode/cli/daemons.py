@@ -18,7 +18,7 @@ from swarmnode.cli.log_options import logging_options
 from swarmnode.cli.network_options import network_options
 from swarmnode.cli.reach_options import reach_options
 from swarmnode.node.human_lines import PROGRESS_EVERY_STEPS
-from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
+from swarmnode.runspec import PLANNERS, RunSpec, RunSpecError, RunVersionMismatch
 
 if TYPE_CHECKING:
     from protocols.links import Network
@@ -155,6 +155,13 @@ def _peers_or_fail(value: str | None) -> list[str]:
     default=None,
     help="Share of stages a SkipPipe path may skip (default 0: every path visits every stage).",
 )
+@click.option(
+    "--planner",
+    type=click.Choice(PLANNERS),
+    default=None,
+    help="How data nodes choose paths that skip: SkipPipe's scheduler (default) or random skips on fixed "
+    "pipelines (the paper's baseline, for comparisons).",
+)
 @click.option("--noloco-every", type=click.IntRange(min=1), default=None, help="NoLoCo inner steps H.")
 @click.option(
     "--min-data-nodes",
@@ -200,6 +207,7 @@ def bootstrap(
     seed: int | None,
     checkfree_plus: bool | None,
     skip_ratio: float | None,
+    planner: str | None,
     noloco_every: int | None,
     min_data_nodes: int | None,
     compression: str | None,
@@ -235,6 +243,7 @@ def bootstrap(
             seed=seed,
             checkfree_plus=checkfree_plus,
             skip_ratio=skip_ratio,
+            planner=planner,
             noloco_inner_steps=noloco_every,
             min_data_nodes=min_data_nodes,
             compression=compression,

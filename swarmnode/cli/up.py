@@ -26,7 +26,7 @@ from swarmnode.launcher import (
     SwarmResult,
     parse_stage_kill,
 )
-from swarmnode.runspec import RunSpec, RunSpecError
+from swarmnode.runspec import PLANNERS, RunSpec, RunSpecError
 
 
 class StageKillParam(click.ParamType):
@@ -150,6 +150,14 @@ class FiniteFloatRange(click.FloatRange):
     help="Share of the transformer stages a SkipPipe path may skip (0: every path visits every stage).",
 )
 @click.option(
+    "--planner",
+    type=click.Choice(PLANNERS),
+    default="skippipe",
+    show_default=True,
+    help="How data nodes choose paths that skip: SkipPipe's scheduler, or random skips on fixed pipelines "
+    "(the paper's baseline, for comparisons).",
+)
+@click.option(
     "--network",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -177,6 +185,7 @@ def up(
     timeout: float | None,
     stall_timeout: float,
     skip_ratio: float,
+    planner: str,
     network: Path | None,
     device: str,
     dtype: str,
@@ -197,7 +206,13 @@ def up(
         _check_kill(kill, n_stages, steps)
     try:  # the run the bootstrap will publish: fail here, before any process starts
         RunSpec.for_preset(
-            preset, run_id=run_id, stages=n_stages, total_steps=steps, seed=seed, skip_ratio=skip_ratio
+            preset,
+            run_id=run_id,
+            stages=n_stages,
+            total_steps=steps,
+            seed=seed,
+            skip_ratio=skip_ratio,
+            planner=planner,
         )
     except RunSpecError as error:
         raise click.UsageError(str(error)) from None
@@ -220,6 +235,7 @@ def up(
         timeout=timeout,
         stall_timeout=stall_timeout or None,
         skip_ratio=skip_ratio,
+        planner=planner,
         log_level=_daemon_log_level(),
     )
     if network is not None:

@@ -46,6 +46,7 @@ class SwarmConfig:
     timeout: float | None = None
     stall_timeout: float | None = STALL_TIMEOUT_S
     skip_ratio: float = 0.0  # the run's (`bootstrap --skip-ratio`)
+    planner: str = "skippipe"  # the run's (`bootstrap --planner`)
     network: Path | None = None
     log_level: str | None = None  # every daemon's `--log-level` (None: theirs, warning)
     placement: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
@@ -96,7 +97,8 @@ class SwarmConfig:
             "--run-id", self.run_id, "--host", "127.0.0.1", "--port", "0",
             "--peers-file", str(self.peers_file), "--steps", str(self.steps), "--seed", str(self.seed),
             "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus", "--dtype", self.dtype,
-            "--skip-ratio", str(self.skip_ratio), "--min-data-nodes", str(self.data_nodes),
+            "--skip-ratio", str(self.skip_ratio), "--planner", self.planner,
+            "--min-data-nodes", str(self.data_nodes),
             *self._log_options(),
         ]  # fmt: skip
 
@@ -168,6 +170,7 @@ class SwarmConfig:
             "timeout": self.timeout,
             "stall_timeout": self.stall_timeout,
             "skip_ratio": self.skip_ratio,
+            "planner": self.planner,
             "network": None if self.network is None else str(self.network),
         }
 

@@ -41,6 +41,7 @@ def build_report(
         "tokens_per_second": record.tokens_per_second(),
         "iteration_seconds": iteration_seconds(record.iteration_seconds, simulated_s),
         "skip_ratio": settings.get("skip_ratio", 0.0),
+        "planner": settings.get("planner", "skippipe"),
         "network": None if network is None else dict(network),
         "model": None if model is None else dict(model),
         "failures": [

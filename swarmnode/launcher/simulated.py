@@ -60,6 +60,7 @@ def swarm_simulated_seconds(config: SwarmConfig, nodes: Sequence[LaunchedNode]) 
         checkfree_plus=config.checkfree_plus,
         dtype=config.dtype,
         skip_ratio=config.skip_ratio,
+        planner=config.planner,
     )
     network = None if config.network is None else loads_network(config.network.read_bytes())
     sim_nodes = [

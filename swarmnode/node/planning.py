@@ -5,7 +5,9 @@ its view of the DHT and takes its own microbatches: no round trip per microbatch
 Views that differ for a moment only cost some collisions. Stages with no online node are left out of the
 view, so in a run that skips, paths skip past a lost stage while it is being rebuilt; a run with skip ratio
 0 waits for the rebuild instead (`RebuildWait`, bounded) and keeps every path in stage order (the scheduler
-then only picks replicas); one that skips also lets SkipPipe reorder stages.
+then only picks replicas); one that skips also lets SkipPipe reorder stages. A run whose `planner` is
+`random_skips` skips as SkipPipe's paper's baseline does instead: each data node's fixed pipeline, a random
+balanced choice of stages per microbatch, in stage order, blind to collisions.
 CheckFree+ swaps are not the scheduler's choice: they are fixed by the iteration and the microbatch
 (`protocols.checkfree.swaps_edge_pairs`), so every data node and replica sees both orders evenly, whatever
 the timing.
@@ -27,7 +29,14 @@ from protocols.checkfree import swap_edge_pairs, swaps_edge_pairs
 from protocols.errors import LocalProtocolError
 from protocols.messages import NodeState
 from protocols.sightings import Sightings
-from protocols.skippipe import PathRules, SwarmView, full_pipeline_plan, mix_replicas, schedule
+from protocols.skippipe import (
+    PathRules,
+    SwarmView,
+    full_pipeline_plan,
+    mix_replicas,
+    schedule,
+    skips_without_collision_awareness,
+)
 from swarmnode.peer_record import PeerRecord
 from swarmnode.runspec import RunSpec
 
@@ -156,7 +165,10 @@ def plan_iteration(
     )
     seed = spec.seed * 1_000_003 + iteration
     try:
-        plan = schedule(view, rules, seed=seed, restarts=2, rounds=60)
+        if spec.planner == "random_skips" and skipping:
+            plan = skips_without_collision_awareness(view, rules, seed)
+        else:
+            plan = schedule(view, rules, seed=seed, restarts=2, rounds=60)
     except LocalProtocolError:
         plan = full_pipeline_plan(view, rules)
     paths = mix_replicas(plan.paths, view, random.Random(seed))

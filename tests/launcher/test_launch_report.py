@@ -85,7 +85,13 @@ def test_record_figures() -> None:
 
 def test_report_json_and_plot(tmp_path: Path) -> None:
     record = recorded_run()
-    settings = {"preset": "tiny", "stages": 3, "fail_rate": 0.0, "skip_ratio": 0.34}
+    settings = {
+        "preset": "tiny",
+        "stages": 3,
+        "fail_rate": 0.0,
+        "skip_ratio": 0.34,
+        "planner": "random_skips",
+    }
     nodes = [
         {
             "name": "s2r1",
@@ -140,7 +146,7 @@ def test_report_json_and_plot(tmp_path: Path) -> None:
     # 80 iterations, 8 of each of 1.0, 1.1, .., 1.9 s: the median is 1.45 s; the 90th percentile lies a
     # tenth of the way from the 72nd (1.8 s) to the 73rd (1.9 s)
     assert saved["iteration_seconds"] == {"median": 1.45, "p90": 1.81, "count": 80, "simulated": 1.2346}
-    assert saved["skip_ratio"] == 0.34 and saved["network"] == network
+    assert saved["skip_ratio"] == 0.34 and saved["planner"] == "random_skips" and saved["network"] == network
     assert len(saved["loss_curve"]) == 40 and len(saved["val_curve"]) == 3
     assert not (tmp_path / "report.json.partial").exists()
 
