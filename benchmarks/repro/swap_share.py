@@ -8,9 +8,11 @@ copies of `E` and `E'` refreshed every 10 steps). At the end S1 is lost and rebu
 it (with swaps: a copy of S2, which stood in for it; without: CheckFree's neighbour copy), and training goes
 on `--window` steps, beside a control that lost nothing. Printed per seed and as means: the cost of the swaps
 (validation loss at the end over no swaps), S1's loss just after (over the loss before) and `--window` steps
-later (over the control).
+later (over the control). With `--eval-every K`, also the cost along the way: every regime's validation loss
+every K steps over no swaps' at the same step (does the cost shrink as the stages learn both orders?).
 
     python benchmarks/repro/swap_share.py --json out.json
+    python benchmarks/repro/swap_share.py --steps 400 --shares 0,2 --eval-every 50 --json longer.json
 """
 
 from __future__ import annotations
@@ -25,21 +27,28 @@ import torch
 from _report import write_json
 from _staged import Data, Setup, StagedModel
 
-SHARES = (0, 2, 4)  # 0: no swaps; else one microbatch in this many
+SHARES = "0,2,4"  # 0: no swaps; else one microbatch in this many
 REFRESH_STEPS = 10
 
 
-def run(data: Data, setup: Setup, seed: int, every: int, steps: int, window: int) -> dict[str, float | str]:
-    """One regime of one seed: train, lose S1, rebuild, go on beside a control."""
+def run(
+    data: Data, setup: Setup, seed: int, every: int, steps: int, window: int, eval_every: int
+) -> dict[str, object]:
+    """One regime of one seed: train (evaluating every `eval_every` steps, 0: only at the end), lose S1,
+    rebuild, go on beside a control."""
     plus = every > 0
     model = StagedModel(replace(setup, swap_every=every or 2), data.corpus.vocab_size, seed)
     if plus:
         model.refresh_copies()
+    curve = {}
     for _ in range(steps):
         model.train_step(data, checkfree_plus=plus)
         if plus and model.step % REFRESH_STEPS == 0:
             model.refresh_copies()
+        if eval_every and model.step % eval_every == 0 and model.step < steps:
+            curve[model.step] = model.evaluate(data)
     before = model.evaluate(data)
+    curve[steps] = before
     lost, control = model.fork(), model.fork()
     plan = lost.plan(1, {1}, plus)
     lost.rebuild(plan)
@@ -53,6 +62,7 @@ def run(data: Data, setup: Setup, seed: int, every: int, steps: int, window: int
         "s1_just_after": just_after,
         "s1_later": lost.evaluate(data),
         "control_later": control.evaluate(data),
+        "curve": curve,
     }
 
 
@@ -61,20 +71,36 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--window", type=int, default=25)
+    parser.add_argument("--shares", default=SHARES, help="swap one microbatch in N (0: none; must hold 0)")
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="also evaluate every K steps (0: only at the end)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    try:
+        shares = list(dict.fromkeys(int(share) for share in args.shares.split(",")))
+    except ValueError as error:
+        parser.error(f"--shares: {error}")
+    if 0 not in shares or any(share < 0 or share == 1 for share in shares):
+        parser.error("--shares must hold 0 (no swaps, the baseline) and periods of 2 or more")
+    if args.eval_every < 0:
+        parser.error("--eval-every must be 0 or more")
     torch.set_num_threads(1)
     setup = Setup(microbatches=2, val_batches=16)
     data = Data(setup)
     started = time.perf_counter()
     runs = [
-        {"seed": seed, "every": every, **run(data, setup, seed, every, args.steps, args.window)}
+        {
+            "seed": seed,
+            "every": every,
+            **run(data, setup, seed, every, args.steps, args.window, args.eval_every),
+        }
         for seed in range(args.seeds)
-        for every in SHARES
+        for every in shares
     ]
     print("| swaps | seed | val | / no swaps | rebuild | S1 just after / before | S1 later / control |")
     print("|---|---|---|---|---|---|---|")
-    ratios: dict[int, list[tuple[float, float, float]]] = {every: [] for every in SHARES}
+    ratios: dict[int, list[tuple[float, float, float]]] = {every: [] for every in shares}
     for r in runs:
         base = next(x for x in runs if x["seed"] == r["seed"] and x["every"] == 0)
         cost, after, later = (
@@ -98,6 +124,8 @@ def main() -> None:
         means = [statistics.fmean(column) for column in zip(*rows, strict=True)]
         share = f"1 in {every}" if every else "none"
         print(f"| {share} | mean | | {means[0]:.3f} | | {means[1]:.3f} | {means[2]:.3f} |")
+    if args.eval_every:
+        print_costs_along_the_way(runs, shares)
     seconds = round(time.perf_counter() - started, 1)
     print(f"{seconds} s")
     if args.json:
@@ -107,10 +135,25 @@ def main() -> None:
                 "setup": setup.__dict__,
                 "steps": args.steps,
                 "window": args.window,
+                "eval_every": args.eval_every,
                 "runs": runs,
                 "seconds": seconds,
             },
         )
+
+
+def print_costs_along_the_way(runs: list[dict[str, object]], shares: list[int]) -> None:
+    """Per regime with swaps, the mean over seeds of its validation loss over no swaps' at each step."""
+    base = {run["seed"]: run["curve"] for run in runs if run["every"] == 0}
+    steps = sorted(next(iter(base.values())))
+    print("\n| swaps | " + " | ".join(f"step {step}" for step in steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    for every in (share for share in shares if share):
+        curves = [run for run in runs if run["every"] == every]
+        cells = [
+            statistics.fmean(run["curve"][step] / base[run["seed"]][step] for run in curves) for step in steps
+        ]
+        print(f"| 1 in {every} | " + " | ".join(f"{cell:.3f}" for cell in cells) + " |")
 
 
 if __name__ == "__main__":
