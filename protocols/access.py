@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from protocols.errors import LocalProtocolError
-from protocols.messages import NodeState, StatePart
+from protocols.messages import NodeState
+from protocols.transfers import StatePart
 
 JOINING = frozenset({NodeState.JOINING, NodeState.RECOVERING})
 

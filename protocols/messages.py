@@ -1,10 +1,15 @@
 """Versioned msgpack wire schemas for everything a swarmnode daemon sends, sans-I/O.
 
-Every message is a frozen dataclass whose fields are checked on construction (LocalProtocolError on this
-side); `encode` turns it into a msgpack map `{"v": PROTOCOL_VERSION, "kind": ..., <fields>}` and `decode`
-checks bytes from a peer against the same rules, raising only RemoteProtocolError with a readable reason.
-Tensors never travel in msgpack: messages carry manifests (`protocols.manifest`: name, shape, dtype) and
-the tensors themselves travel beside them, serialised by the transport, in manifest order.
+Every message is a frozen dataclass (`protocols._message.Message`) whose fields are checked on
+construction (LocalProtocolError on this side); `encode` turns it into a msgpack map `{"v":
+PROTOCOL_VERSION, "kind": ..., <fields>}` and `decode` checks bytes from a peer against the same rules,
+raising only RemoteProtocolError with a readable reason. Tensors never travel in msgpack: messages carry
+manifests (`protocols.manifest`: name, shape, dtype) and the tensors themselves travel beside them,
+serialised by the transport, in manifest order.
+
+This module holds the codec, the table of RPCs every daemon serves, the replies, NoLoCo's averaging
+exchange and the node record; a microbatch's hops are in `protocols.hops`, state and tokenizer transfers in
+`protocols.transfers`.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from typing import ClassVar, TypeVar
 
 import msgpack
 
+from protocols._message import KINDS, MAX_ID, MAX_TEXT, RUN, STAGE, Message
 from protocols._schema import (
-    Schema,
     checked,
     choice,
     count,
@@ -32,21 +37,15 @@ from protocols._schema import (
     to_wire,
 )
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.hops import Abort, Backward, Forward, Route
 from protocols.links import MAX_LINK_COSTS, MAX_SITE_CHARS, LinkCost
 from protocols.manifest import MAX_NAME, MAX_TENSORS, TensorSpec, manifest_field, same_layout
+from protocols.transfers import StatePart, StateRequest, TokenizerRequest
 
 PROTOCOL_VERSION = 2  # 2: a data node sends a batch per pipeline (`planning.pipeline_width`)
 MAX_MESSAGE_BYTES = 1 << 20  # control metadata only; tensors travel beside it
 MAX_RECORD_BYTES = 8192  # DHT records: hivemind's DHT failed with values near 60 KB
-MAX_TEXT = 1024  # longest string of any field
-MAX_ID = 128  # run ids and peer ids
-MAX_PATH = 64  # hops of one microbatch path
-MAX_NONCE = 2**63 - 1  # a microbatch's nonce: random, issued by its data node
 MAX_ADDRS = 16
-MAX_STAGE = 1024
-MAX_VISITS = 4096  # microbatches of one iteration planned through one node
-MIN_LR_FACTOR, MAX_LR_FACTOR = 0.1, 10.0  # a learning-rate multiplier outside these corrupts weights
-MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json (large vocabularies' files are tens of MB)
 
 
 class NodeState(StrEnum):
@@ -55,15 +54,6 @@ class NodeState(StrEnum):
     RECOVERING = "recovering"
     LEAVING = "leaving"
     EXPORTING = "exporting"  # a `swarmnode export` client reading every stage's weights, serving nothing
-
-
-class StatePart(StrEnum):
-    """Parts of a node's state that a state transfer can carry."""
-
-    WEIGHTS = "weights"
-    OPTIMIZER = "optimizer"
-    EMBEDDING_COPY = "embedding_copy"  # stage 1's copy of E
-    HEAD_COPY = "head_copy"  # stage s's copy of E'
 
 
 class Decline(StrEnum):
@@ -86,151 +76,7 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"  # this node failed; the sender did nothing wrong
 
 
-_RUN = text(MAX_ID, 1)
-_STAGE = count(MAX_STAGE)
-_PARTS = items(choice(StatePart), len(StatePart), 1, unique=True)
 _COPIES = items(choice(StatePart, frozenset({StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY})), 2, unique=True)
-
-
-KINDS: dict[str, type[Message]] = {}
-
-
-@dataclass(frozen=True)
-class Message(Schema):
-    """Base of every message; `KIND` names it on the wire and registers it in `KINDS`."""
-
-    KIND: ClassVar[str]
-
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        if "KIND" in vars(cls):
-            KINDS[cls.KIND] = cls
-
-
-@dataclass(frozen=True)
-class _Hop(Message):
-    """One hop of a microbatch along `path` (written by its data node, `path[0]`). `nonce` is a random
-    number the data node issues per microbatch; every hop carries it on, and the data node takes the
-    microbatch back (forward, backward, route notice) only with it, so a peer never sent the microbatch
-    cannot forge its return."""
-
-    run_id: str = field(metadata=checked(_RUN))
-    iteration: int = field(metadata=checked(count()))
-    microbatch: int = field(metadata=checked(count()))
-    path: tuple[str, ...] = field(metadata=checked(items(text(MAX_ID, 1), MAX_PATH, 1)))
-    hop: int = field(metadata=checked(count(MAX_PATH - 1)))
-    stages: tuple[int, ...] = field(metadata=checked(items(_STAGE, MAX_PATH, 1)))
-    visits: tuple[int, ...] = field(default=(), metadata=checked(items(count(MAX_VISITS), MAX_PATH)))
-    tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(manifest_field))
-    evaluate: bool = field(default=False, metadata=checked(flag))
-    nonce: int = field(default=0, metadata=checked(count(MAX_NONCE)))
-
-    def _check(self) -> None:
-        if self.hop >= len(self.path):
-            raise LocalProtocolError(f"hop: {self.hop} is past the end of a path of {len(self.path)} peers")
-        if len(self.stages) != len(self.path):
-            raise LocalProtocolError(
-                f"stages: {len(self.stages)} entries for a path of {len(self.path)} peers"
-            )
-        if self.visits and len(self.visits) != len(self.path):
-            raise LocalProtocolError(
-                f"visits: {len(self.visits)} entries for a path of {len(self.path)} peers"
-            )
-
-
-@dataclass(frozen=True)
-class Forward(_Hop):
-    """Activations of one microbatch, sent to `path[hop]`, which runs its layers and passes them on."""
-
-    KIND: ClassVar[str] = "forward"
-
-
-@dataclass(frozen=True)
-class Backward(_Hop):
-    """Gradients of one microbatch retracing `path` in reverse, sent to `path[hop]`."""
-
-    KIND: ClassVar[str] = "backward"
-
-
-@dataclass(frozen=True)
-class Abort(Message):
-    """Give up one microbatch of one iteration (a hop failed or timed out); drop what it holds."""
-
-    KIND: ClassVar[str] = "abort"
-    run_id: str = field(metadata=checked(_RUN))
-    origin: str = field(metadata=checked(text(MAX_ID, 1)))
-    iteration: int = field(metadata=checked(count()))
-    microbatch: int = field(metadata=checked(count()))
-    reason: str = field(metadata=checked(text(MAX_TEXT)))
-
-
-@dataclass(frozen=True)
-class Route(Message):
-    """Tell a microbatch's data node (`path[0]`) the path it really takes: the sender, `path[hop]`, re-routed
-    the hop after it around a dead or refusing node, or skipped that stage. The data node then watches the
-    peers the microbatch really visits, not the ones it planned."""
-
-    KIND: ClassVar[str] = "route"
-    run_id: str = field(metadata=checked(_RUN))
-    iteration: int = field(metadata=checked(count()))
-    microbatch: int = field(metadata=checked(count()))
-    path: tuple[str, ...] = field(metadata=checked(items(text(MAX_ID, 1), MAX_PATH, 3)))
-    hop: int = field(metadata=checked(count(MAX_PATH - 1, 1)))
-    nonce: int = field(default=0, metadata=checked(count(MAX_NONCE)))
-
-    def _check(self) -> None:
-        if self.hop >= len(self.path) - 1:
-            raise LocalProtocolError(
-                f"hop: {self.hop} is not a stage node of a path of {len(self.path)} peers"
-            )
-        if self.path[0] != self.path[-1]:
-            raise LocalProtocolError("path: does not return to the data node it starts from")
-
-
-@dataclass(frozen=True)
-class StateRequest(Message):
-    """Ask a live node of `stage` for parts of its state (a joining node or a CheckFree rebuild)."""
-
-    KIND: ClassVar[str] = "state_request"
-    run_id: str = field(metadata=checked(_RUN))
-    stage: int = field(metadata=checked(_STAGE))
-    parts: tuple[StatePart, ...] = field(metadata=checked(_PARTS))
-
-
-@dataclass(frozen=True)
-class StateTransfer(Message):
-    """Header of a state transfer; `tensors` lists what follows. `grad_norm` is measured before clipping;
-    `lr_factor` is the donor's learning-rate multiplier (x1.1 after a CheckFree rebuild), which a replica
-    copying the donor takes over."""
-
-    KIND: ClassVar[str] = "state_transfer"
-    run_id: str = field(metadata=checked(_RUN))
-    stage: int = field(metadata=checked(_STAGE))
-    parts: tuple[StatePart, ...] = field(metadata=checked(_PARTS))
-    step: int = field(metadata=checked(count()))
-    outer_step: int = field(metadata=checked(count()))
-    grad_norm: float | None = field(metadata=checked(optional(number(0.0))))
-    tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(manifest_field))
-    lr_factor: float = field(default=1.0, metadata=checked(number(MIN_LR_FACTOR, MAX_LR_FACTOR)))
-
-
-@dataclass(frozen=True)
-class TokenizerRequest(Message):
-    """Ask a node of the run for its tokenizer.json whose digest (`tokenizer.file_digest`) is `digest`."""
-
-    KIND: ClassVar[str] = "tokenizer_request"
-    run_id: str = field(metadata=checked(_RUN))
-    digest: str = field(metadata=checked(text(64, 16)))
-
-
-@dataclass(frozen=True)
-class TokenizerTransfer(Message):
-    """The answer: the file's `size` bytes follow as one uint8 tensor; the asker checks their digest."""
-
-    KIND: ClassVar[str] = "tokenizer_transfer"
-    run_id: str = field(metadata=checked(_RUN))
-    digest: str = field(metadata=checked(text(64, 16)))
-    size: int = field(metadata=checked(count(MAX_TOKENIZER_BYTES, 1)))
 
 
 @dataclass(frozen=True)
@@ -238,8 +84,8 @@ class AveragingRequest(Message):
     """NoLoCo: the initiator's phi and theta (same layout), sent in that order beside the message."""
 
     KIND: ClassVar[str] = "averaging_request"
-    run_id: str = field(metadata=checked(_RUN))
-    stage: int = field(metadata=checked(_STAGE))
+    run_id: str = field(metadata=checked(RUN))
+    stage: int = field(metadata=checked(STAGE))
     outer_step: int = field(metadata=checked(count()))
     phi: tuple[TensorSpec, ...] = field(metadata=checked(manifest_field))
     theta: tuple[TensorSpec, ...] = field(metadata=checked(manifest_field))
@@ -254,8 +100,8 @@ class AveragingReply(Message):
     """NoLoCo: the partner's answer; if accepted, its pre-step phi and theta follow, else nothing does."""
 
     KIND: ClassVar[str] = "averaging_reply"
-    run_id: str = field(metadata=checked(_RUN))
-    stage: int = field(metadata=checked(_STAGE))
+    run_id: str = field(metadata=checked(RUN))
+    stage: int = field(metadata=checked(STAGE))
     outer_step: int = field(metadata=checked(count()))
     accept: bool = field(metadata=checked(flag))
     reason: str = field(default="", metadata=checked(text(MAX_TEXT)))
@@ -284,7 +130,7 @@ class Pong(Message):
     """The answer to a ping: alive, and serving `stage` (a node that moved keeps its peer id)."""
 
     KIND: ClassVar[str] = "pong"
-    stage: int = field(metadata=checked(_STAGE))
+    stage: int = field(metadata=checked(STAGE))
 
 
 @dataclass(frozen=True)
@@ -313,7 +159,7 @@ class NodeRecord(Message):
     KIND: ClassVar[str] = "node_record"
     WIRE_OPTIONAL: ClassVar[frozenset[str]] = frozenset({"stood_in"})  # records of older nodes lack it
     state: NodeState = field(metadata=checked(choice(NodeState)))
-    stage: int = field(metadata=checked(_STAGE))
+    stage: int = field(metadata=checked(STAGE))
     step: int = field(metadata=checked(count()))
     outer_step: int = field(metadata=checked(count()))
     loss: float | None = field(default=None, metadata=checked(optional(number())))

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from protocols._message import Message
 from protocols._schema import checked, count, items, text
-from protocols.messages import Message
 
 MAX_REACH_PORTS = 4  # ports one request may ask about: each costs the peer a dial of up to a few seconds
 MAX_REACH_BYTES = 256  # a request or reply fits in far less

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
+from protocols._message import MAX_STAGE, Message
 from protocols._schema import checked, count, optional, text
 from protocols.errors import LocalProtocolError
 from protocols.links import MAX_SITE_CHARS
 from protocols.membership import Claim, LiveView, Take, leaves_claim
-from protocols.messages import MAX_STAGE, Message, NodeState
+from protocols.messages import NodeState
 
 
 @dataclass(frozen=True)

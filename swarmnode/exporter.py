@@ -29,11 +29,8 @@ from typing import Any, TypeVar, cast
 import torch
 
 from protocols.errors import ProtocolError
-from protocols.messages import (
-    NodeRecord,
-    NodeState,
-    StatePart,
-)
+from protocols.messages import NodeRecord, NodeState
+from protocols.transfers import StatePart
 from swarmnode.data import Corpus, load_corpus, validation_set
 from swarmnode.datasource import cache_dir, default_source, user_source
 from swarmnode.dht import SwarmDHT

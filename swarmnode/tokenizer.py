@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from protocols.messages import MAX_TOKENIZER_BYTES
+from protocols.transfers import MAX_TOKENIZER_BYTES
 from swarmnode.datasource import DataError, TextSource, atomic_write, file_lock, one_line
 from swarmnode.progress import enabled as progress_enabled
 from swarmnode.progress import progress

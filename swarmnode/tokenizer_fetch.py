@@ -22,18 +22,8 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.errors import ProtocolError
-from protocols.messages import (
-    MAX_TOKENIZER_BYTES,
-    Error,
-    ErrorCode,
-    NodeState,
-    Rpc,
-    TokenizerRequest,
-    TokenizerTransfer,
-    bounded,
-    decode,
-    encode,
-)
+from protocols.messages import Error, ErrorCode, NodeState, Rpc, bounded, decode, encode
+from protocols.transfers import MAX_TOKENIZER_BYTES, TokenizerRequest, TokenizerTransfer
 from swarmnode.datasource import DataError, atomic_write, file_lock
 from swarmnode.dht import SwarmDHT
 from swarmnode.node.checks import Rejected, decode_from_peer

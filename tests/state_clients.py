@@ -24,7 +24,8 @@ async def _ask_state(transport, run_id: str, peer: str, stage: int, parts) -> di
     import torch
     from hivemind.p2p import PeerID
 
-    from protocols.messages import Error, StateRequest, StateTransfer, decode, encode
+    from protocols.messages import Error, decode, encode
+    from protocols.transfers import StateRequest, StateTransfer
     from swarmnode.node.state import unpack
     from swarmnode.transport import TransportError
 
@@ -61,7 +62,7 @@ def requester_main(argv: Sequence[str]) -> int:
 
     from swarm_clients import _announce, _run_client
 
-    from protocols.messages import StatePart
+    from protocols.transfers import StatePart
     from swarmnode.transport import Transport
 
     peers_file, run_id, target, stage_text, announce = argv
@@ -107,7 +108,8 @@ def averager_main(argv: Sequence[str]) -> int:
     from hivemind.p2p import PeerID
     from swarm_clients import _announce, _run_client
 
-    from protocols.messages import AveragingReply, AveragingRequest, StatePart, decode, encode
+    from protocols.messages import AveragingReply, AveragingRequest, decode, encode
+    from protocols.transfers import StatePart
     from swarmnode.node.state import manifest
     from swarmnode.transport import Transport
 
@@ -162,16 +164,8 @@ def donor_main(argv: Sequence[str]) -> int:
     import torch
     from swarm_clients import _run_client
 
-    from protocols.messages import (
-        NodeRecord,
-        NodeState,
-        Pong,
-        Rpc,
-        StateRequest,
-        StateTransfer,
-        decode,
-        encode,
-    )
+    from protocols.messages import NodeRecord, NodeState, Pong, Rpc, decode, encode
+    from protocols.transfers import StateRequest, StateTransfer
     from swarmnode.node.state import manifest, weights
     from swarmnode.pieces import build_piece
     from swarmnode.presets import get_preset

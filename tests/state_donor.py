@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from protocols.messages import NodeRecord, NodeState, StatePart
+from protocols.messages import NodeRecord, NodeState
+from protocols.transfers import StatePart
 from swarmnode.node import state
 from swarmnode.node.compute import ComputeQueue
 from swarmnode.node.planning import SwarmRead

@@ -59,8 +59,9 @@ def hostile_main(argv: Sequence[str]) -> int:
     import torch
     from hivemind.p2p import PeerID
 
+    from protocols.hops import Forward
     from protocols.manifest import TensorSpec
-    from protocols.messages import Error, Forward, decode, encode
+    from protocols.messages import Error, decode, encode
     from swarmnode.transport import RemoteError, Transport, TransportError
 
     peers_file, run_id, width_text, go_file, *targets = argv
@@ -143,7 +144,8 @@ def weights_main(argv: Sequence[str]) -> int:
     from hivemind.p2p import PeerID
 
     from protocols.errors import ProtocolError
-    from protocols.messages import StatePart, StateRequest, StateTransfer, decode, encode
+    from protocols.messages import decode, encode
+    from protocols.transfers import StatePart, StateRequest, StateTransfer
     from swarmnode.node.state import unpack
     from swarmnode.transport import Transport, TransportError
 

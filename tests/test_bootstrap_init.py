@@ -14,7 +14,8 @@ from cli_helpers import one_line_usage_error, run
 from hivemind.p2p import PeerID
 from swarm_harness import LocalTestSwarm
 
-from protocols.messages import Error, ErrorCode, StatePart, StateRequest, StateTransfer, decode, encode
+from protocols.messages import Error, ErrorCode, decode, encode
+from protocols.transfers import StatePart, StateRequest, StateTransfer
 from swarmnode.node import state
 from swarmnode.node.seed import SeedServer, SeedWeights, digest, read_seed
 from swarmnode.runspec import RunSpec, RunSpecError

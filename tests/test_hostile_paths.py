@@ -17,8 +17,9 @@ import torch
 from hivemind.p2p import PeerID
 from swarm_harness import LocalTestSwarm, NodeProcess, poll
 
+from protocols.hops import Forward, Route
 from protocols.manifest import TensorSpec
-from protocols.messages import Error, ErrorCode, Forward, Route, Rpc, decode, encode
+from protocols.messages import Error, ErrorCode, Rpc, decode, encode
 from swarmnode.dht import SwarmDHT
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import Transport

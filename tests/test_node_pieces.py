@@ -13,8 +13,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from protocols.messages import NodeRecord, NodeState, StatePart, encode
+from protocols.messages import NodeRecord, NodeState, encode
 from protocols.stepbook import MicrobatchKey
+from protocols.transfers import StatePart
 from swarmnode.identity import Identity
 from swarmnode.model import build_stage
 from swarmnode.model_config import ModelConfig

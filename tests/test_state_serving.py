@@ -13,7 +13,8 @@ import pytest
 import torch
 from state_donor import TinyDonor
 
-from protocols.messages import ErrorCode, NodeState, StatePart, StateRequest, StateTransfer, decode
+from protocols.messages import ErrorCode, NodeState, decode
+from protocols.transfers import StatePart, StateRequest, StateTransfer
 from swarmnode.node.checks import Rejected
 from swarmnode.node.serving import MAX_TRANSFERS, StateServer
 from swarmnode.transport import Reply

@@ -15,15 +15,8 @@ from hivemind.p2p import PeerID
 from swarm_harness import LocalTestSwarm, NodeProcess, python_env
 from transport_harness import running_swarm
 
-from protocols.messages import (
-    MAX_TOKENIZER_BYTES,
-    Error,
-    Rpc,
-    TokenizerRequest,
-    TokenizerTransfer,
-    decode,
-    encode,
-)
+from protocols.messages import Error, Rpc, decode, encode
+from protocols.transfers import MAX_TOKENIZER_BYTES, TokenizerRequest, TokenizerTransfer
 from swarmnode.cli import main
 from swarmnode.tokenizer import file_digest, train_tokenizer
 from swarmnode.tokenizer_fetch import (

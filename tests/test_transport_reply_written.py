@@ -19,7 +19,8 @@ from hivemind.p2p import P2P
 from state_donor import TinyDonor
 from transport_harness import LIBP2P, LIMITS, Swarm, open_raw, until
 
-from protocols.messages import Error, ErrorCode, StatePart, StateRequest, StateTransfer, decode, encode
+from protocols.messages import Error, ErrorCode, decode, encode
+from protocols.transfers import StatePart, StateRequest, StateTransfer
 from swarmnode.node.checks import Rejected
 from swarmnode.node.serving import StateServer
 from swarmnode.transport import Reply, Transport

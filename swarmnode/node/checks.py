@@ -14,18 +14,8 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.errors import RemoteProtocolError
-from protocols.messages import (
-    REQUESTS,
-    Backward,
-    Error,
-    ErrorCode,
-    Forward,
-    Message,
-    Rpc,
-    bounded,
-    decode,
-    encode,
-)
+from protocols.hops import Backward, Forward
+from protocols.messages import REQUESTS, Error, ErrorCode, Message, Rpc, bounded, decode, encode
 from swarmnode.node.events import emit
 from swarmnode.node.worker import check_activations
 from swarmnode.transport import Reply, Transport

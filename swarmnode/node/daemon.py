@@ -19,26 +19,12 @@ from torch import Tensor
 
 from protocols.bounds import CLOCK_MARGIN
 from protocols.checkfree import Recovery, replica_lr_factor
+from protocols.hops import Abort, Backward, Forward, Route
 from protocols.links import LinkCost
-from protocols.messages import (
-    Abort,
-    Ack,
-    AveragingRequest,
-    Backward,
-    ErrorCode,
-    Forward,
-    NodeRecord,
-    NodeState,
-    Pong,
-    Route,
-    Rpc,
-    StatePart,
-    StateRequest,
-    StateTransfer,
-    encode,
-)
+from protocols.messages import Ack, AveragingRequest, ErrorCode, NodeRecord, NodeState, Pong, Rpc, encode
 from protocols.noloco import OuterConfig
 from protocols.stepbook import MicrobatchKey
+from protocols.transfers import StatePart, StateRequest, StateTransfer
 from swarmnode.node import recovery, seed, state
 from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.checks import Rejected, guarded, hop_tensor

@@ -21,6 +21,7 @@ from functools import partial
 from torch import Tensor
 
 from protocols.errors import LocalProtocolError
+from protocols.hops import MAX_NONCE, Backward, Forward, Route
 from protocols.iteration import DataIteration
 from protocols.iteration_events import (
     AbortPath,
@@ -48,7 +49,7 @@ from protocols.iteration_events import (
     Unsent,
 )
 from protocols.membership import RebuildWait
-from protocols.messages import MAX_NONCE, Ack, Backward, ErrorCode, Forward, Route, encode
+from protocols.messages import Ack, ErrorCode, encode
 from protocols.stepbook import MicrobatchKey
 from swarmnode.data import Corpus, batches, data_node_tokens, validation_set
 from swarmnode.node.checks import Rejected

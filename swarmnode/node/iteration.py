@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from protocols.hops import Backward, Forward, Route
 from protocols.iteration import DataIteration, ForgedReturn, StaleMessage, WrongSender
 from protocols.iteration_events import Action, Event
-from protocols.messages import Backward, ErrorCode, Forward, Route
+from protocols.messages import ErrorCode
 from swarmnode.node.checks import Rejected
 
 logger = logging.getLogger(__name__)

@@ -33,18 +33,9 @@ from protocols.checkfree import (
     swap_partner,
 )
 from protocols.errors import ProtocolError
-from protocols.messages import (
-    Error,
-    ErrorCode,
-    NodeState,
-    Rpc,
-    StatePart,
-    StateRequest,
-    StateTransfer,
-    decode,
-    encode,
-)
+from protocols.messages import Error, ErrorCode, NodeState, Rpc, decode, encode
 from protocols.standins import MIN_STAND_INS
+from protocols.transfers import StatePart, StateRequest, StateTransfer
 from swarmnode.model_config import ModelConfig
 from swarmnode.node import state
 from swarmnode.node.compute import ComputeQueue, Priority

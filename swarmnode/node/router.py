@@ -20,19 +20,9 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.errors import ProtocolError
+from protocols.hops import Abort, Backward, Forward, Route
 from protocols.manifest import TensorSpec
-from protocols.messages import (
-    Abort,
-    Ack,
-    Backward,
-    Error,
-    Forward,
-    Route,
-    Rpc,
-    bounded,
-    decode,
-    encode,
-)
+from protocols.messages import Ack, Error, Rpc, bounded, decode, encode
 from swarmnode.transport import Compression, PeerUnreachable, Transport, TransportError
 
 logger = logging.getLogger(__name__)

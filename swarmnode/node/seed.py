@@ -23,17 +23,8 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.errors import ProtocolError
-from protocols.messages import (
-    Error,
-    ErrorCode,
-    Rpc,
-    StatePart,
-    StateRequest,
-    StateTransfer,
-    bounded,
-    decode,
-    encode,
-)
+from protocols.messages import Error, ErrorCode, Rpc, bounded, decode, encode
+from protocols.transfers import StatePart, StateRequest, StateTransfer
 from swarmnode.dht import SwarmDHT
 from swarmnode.modeldir import check_shape, load_pieces, read_model_folder
 from swarmnode.node import state

@@ -25,7 +25,8 @@ from typing import Protocol
 from torch import nn
 
 from protocols.access import refusal
-from protocols.messages import ErrorCode, NodeState, StatePart, StateRequest, StateTransfer, encode
+from protocols.messages import ErrorCode, NodeState, encode
+from protocols.transfers import StatePart, StateRequest, StateTransfer
 from swarmnode.node import state
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import ComputeQueue, Priority

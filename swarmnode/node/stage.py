@@ -11,8 +11,9 @@ import time
 from torch import Tensor
 
 from protocols.errors import LocalProtocolError
+from protocols.hops import Backward, Forward
 from protocols.membership import Probe, Probed, Rebalance, RebalanceAction, Viewed, Wait
-from protocols.messages import Ack, Backward, ErrorCode, Forward, NodeState, encode
+from protocols.messages import Ack, ErrorCode, NodeState, encode
 from protocols.standins import StandIns, edge_places
 from protocols.stepbook import Group, MicrobatchKey, StepBook, StepDecision
 from swarmnode.node.checks import Rejected

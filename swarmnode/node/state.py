@@ -1,6 +1,6 @@
 """A node's state as named tensors: what a state transfer sends and how a receiver loads it.
 
-Parts (`protocols.messages.StatePart`): `weights` (the stage's parameters, names relative to the stage),
+Parts (`protocols.transfers.StatePart`): `weights` (the stage's parameters, names relative to the stage),
 `optimizer` (Adam moments per parameter, `adam.{name}.exp_avg|exp_avg_sq|step`, plus NoLoCo's slow weights
 and momentum, `outer.phi.{name}` / `outer.delta.{name}`), `embedding_copy` (E: from a data node, or from the
 copy a stage-1 node keeps) and `head_copy` (E': from a data node, or from the copy the last stage keeps).
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from protocols._arraymap import layout_mismatch
 from protocols.bounds import drift_problem, moments_problem, size_problem
 from protocols.manifest import TensorSpec
-from protocols.messages import StatePart
+from protocols.transfers import StatePart
 from swarmnode.optim import StageOptimizer
 
 TensorMap = dict[str, Tensor]  # the runtime's one name -> torch tensor map (protocols': `ArrayMap`)

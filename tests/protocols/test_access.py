@@ -6,7 +6,8 @@ import pytest
 
 from protocols.access import refusal
 from protocols.errors import LocalProtocolError
-from protocols.messages import NodeState, StatePart
+from protocols.messages import NodeState
+from protocols.transfers import StatePart
 
 W, OPT, E, H = StatePart.WEIGHTS, StatePart.OPTIMIZER, StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY
 J, R, ON, L = NodeState.JOINING, NodeState.RECOVERING, NodeState.ONLINE, NodeState.LEAVING

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocols.errors import LocalProtocolError, RemoteProtocolError
+from protocols.hops import Abort, Backward, Forward, Route
 from protocols.links import MAX_LINK_COSTS, MAX_LINK_PEER_CHARS, MAX_LINK_SECONDS, LinkCost
 from protocols.manifest import TensorSpec
 from protocols.messages import (
@@ -18,29 +19,21 @@ from protocols.messages import (
     MAX_ID,
     MAX_RECORD_BYTES,
     PROTOCOL_VERSION,
-    Abort,
     Ack,
     AveragingReply,
     AveragingRequest,
-    Backward,
     Decline,
     Error,
     ErrorCode,
-    Forward,
     NodeRecord,
     NodeState,
     Pong,
-    Route,
-    StatePart,
-    StateRequest,
-    StateTransfer,
-    TokenizerRequest,
-    TokenizerTransfer,
     decode,
     encode,
 )
 from protocols.reach import ReachReply, ReachRequest
 from protocols.standby import StandbyRecord
+from protocols.transfers import StatePart, StateRequest, StateTransfer, TokenizerRequest, TokenizerTransfer
 
 HIDDEN = TensorSpec("hidden", (4, 128, 64), "bfloat16")
 PHI = (TensorSpec("layers.0.w", (64, 64), "float32"), TensorSpec("layers.0.b", (64,), "float32"))
