@@ -31,6 +31,7 @@ from swarmnode.node.checks import Rejected, guarded, hop_tensor
 from swarmnode.node.compute import ComputeQueue
 from swarmnode.node.context import BAN_SECONDS, NodeContext
 from swarmnode.node.events import emit
+from swarmnode.node.greetings import Greetings
 from swarmnode.node.planning import RememberedView, SwarmRead
 from swarmnode.node.router import Router
 from swarmnode.node.serving import StateServer
@@ -102,11 +103,11 @@ class Node(ABC):
             timeout_s=2 * spec.hop_timeout_s,
         )
         self.state_server = StateServer(self)
+        self.greetings = Greetings(self.router, self.refresh_swarm_read, self.spawn)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._stepping = False
         self._started = False
-        self._greeted: bool | None = None  # None: no greeting read running; True: another one asked for
         self.move_to: int | None = None  # set when this node decides to leave for a lost stage
         self.copies: dict[StatePart, state.TensorMap] = {}
         self.copy_parts: tuple[StatePart, ...] = ()
@@ -133,7 +134,7 @@ class Node(ABC):
             (Rpc.AVERAGE, self._on_average, average_bytes),
             (Rpc.STATE, self._on_state, 0),
             (Rpc.PING, self._on_ping, 0),
-            (Rpc.HELLO, self._on_hello, 0),
+            (Rpc.HELLO, self.greetings.on_hello, 0),
         ):
             served = guarded(rpc, handler, self.spec.run_id, self.transport, BAN_SECONDS, self.metrics)
             self.transport.register(rpc, served, max_body_bytes)
@@ -148,7 +149,7 @@ class Node(ABC):
             await seed.start_from_seed(self)
         self.state = NodeState.ONLINE
         await self.publish()
-        await self._greet_peers()
+        await self.greetings.greet(self.swarm_read, self.me, self.stage, self.spec.stages)
         if self.copy_parts:
             self.spawn(self.refresh_copies(), "copies")
         self._tasks += [
@@ -266,35 +267,6 @@ class Node(ABC):
     async def _on_ping(self, peer: str, _: None, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         """Alive, and serving which stage (a node that moved keeps its peer id but not its stage)."""
         return encode(Pong(self.stage)), []
-
-    async def _on_hello(self, peer: str, _: None, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
-        """A node just came online: read the DHT now rather than at the next refresh. However many greetings
-        arrive, one read runs at a time and at most one more follows it (a flood costs no more)."""
-        if self._greeted is None:
-            self._greeted = False
-            self.spawn(self._refresh_for_greetings(), "hello-refresh")
-        else:
-            self._greeted = True
-        return encode(Ack()), []
-
-    async def _refresh_for_greetings(self) -> None:
-        try:
-            await self.refresh_swarm_read()
-            while self._greeted:  # greeted again while reading: read once more, for them all
-                self._greeted = False
-                await self.refresh_swarm_read()
-        finally:
-            self._greeted = None
-
-    async def _greet_peers(self) -> None:
-        """Tell the peers that route to this node that it serves now, so that they read the DHT at once: a
-        stage node greets the data nodes (their next plan can use it), a data node the stage nodes (they
-        take forwards only from data nodes they know)."""
-        stages = range(1, self.spec.stages + 1) if self.stage == 0 else (0,)
-        peers = [p for k in stages for p in self.swarm_read.online(k) if p != self.me]
-        await asyncio.gather(
-            *(self.router.call(p, Rpc.HELLO, b"", [], timeout=1.0) for p in peers), return_exceptions=True
-        )
 
     async def _on_state(self, peer: str, request: StateRequest, tensors: list[Tensor]) -> Reply:
         return await self.state_server.serve(peer, request)
