@@ -1,6 +1,6 @@
-"""What the kernel says about test processes: members of process groups and their CPU time (/proc stat),
-the unix sockets they hold open (/proc fd and /proc/net/unix), and their UDP sockets and TCP listeners (`ss`).
-Benchmarks import it too (benchmarks/daemon_footprint.py).
+"""What the kernel says about test processes: members of process groups and their CPU time
+(`swarmnode.procstat`), the unix sockets they hold open (/proc fd and /proc/net/unix), and their UDP sockets
+and TCP listeners (`ss`). Benchmarks import it too (benchmarks/daemon_footprint.py).
 """
 
 from __future__ import annotations
@@ -9,50 +9,15 @@ import os
 import re
 import subprocess
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    """A process as /proc/PID/stat describes it; `started` (clock ticks after boot) with `pid` names it across
-    pid reuse, `cpu_seconds` is its user + system time so far."""
-
-    pid: int
-    comm: str
-    state: str
-    pgid: int
-    cpu_seconds: float
-    started: int
-
-
-def _proc_stat(pid: int) -> ProcStat | None:
-    """The /proc entry of `pid` (a zombie's too, state "Z"), or None if there is none."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # "pid (comm) state ppid pgrp ... utime stime ... starttime" (fields 1-3, 5, 14, 15, 22): comm may hold
-    # spaces and parentheses, so the fields after it are split after the last ')'.
-    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-    rest = stat[stat.rindex(")") + 2 :].split()
-    cpu = (int(rest[11]) + int(rest[12])) / _TICK
-    return ProcStat(pid, comm, rest[0], int(rest[2]), cpu, int(rest[19]))
+from swarmnode.procstat import ProcStat, processes
 
 
 def group_stats(pgids: Iterable[int]) -> list[ProcStat]:
     """Live (not zombie) processes of the given process groups."""
     wanted = set(pgids)
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        stat = _proc_stat(int(entry))
-        if stat is not None and stat.pgid in wanted and stat.state != "Z":
-            found.append(stat)
-    return found
+    return [stat for stat in processes() if stat.pgid in wanted and not stat.zombie]
 
 
 def group_members(pgids: Iterable[int]) -> dict[int, tuple[int, str]]:

@@ -22,6 +22,7 @@ import uvloop
 from hivemind.p2p import P2P, PeerID
 
 from swarmnode.identity import Identity
+from swarmnode.procstat import processes
 from swarmnode.transport import Limits, Transport, TransportConfig
 
 T = TypeVar("T")
@@ -42,20 +43,8 @@ GUARDED = dataclasses.replace(  # small bounds, to reach them with a few streams
 
 
 def p2pd_children() -> set[int]:
-    """Pids of p2pd processes whose parent is this process (from /proc)."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        if name == "p2pd" and int(rest[1]) == os.getpid():
-            pids.add(int(entry))
-    return pids
+    """Pids of p2pd processes whose parent is this process (from /proc, zombies included)."""
+    return {proc.pid for proc in processes() if proc.comm == "p2pd" and proc.ppid == os.getpid()}
 
 
 async def new_p2p(initial_peers: list[Any] | None = None, identity: Identity | None = None) -> P2P:

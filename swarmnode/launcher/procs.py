@@ -26,6 +26,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from swarmnode.procstat import proc_stat
+
 _PROC = Path("/proc")
 GROUP_GRACE_S = 2.0  # a group whose leader is gone (or would not go) gets this long after SIGTERM
 
@@ -162,13 +164,8 @@ def hivemind_sockets(pgid: int) -> set[Path]:
 
 
 def _running_member(entry: Path, pgid: int) -> bool:
-    try:
-        stat = (entry / "stat").read_text()
-    except OSError:
-        return False
-    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ')'.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid
+    stat = proc_stat(int(entry.name))
+    return stat is not None and not stat.zombie and stat.pgid == pgid
 
 
 def stop_all(

@@ -14,7 +14,8 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
+
+from swarmnode.procstat import processes
 
 logger = logging.getLogger(__name__)
 
@@ -31,25 +32,14 @@ def adopt_orphans() -> bool:
 
 def live_children(parent: int) -> list[int]:
     """Pids of the live (not zombie) direct children of `parent`, from /proc."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == parent and fields[0] != "Z":
-            children.append(int(entry.name))
-    return children
+    return [proc.pid for proc in processes() if proc.ppid == parent and not proc.zombie]
 
 
 def end_orphans() -> list[int]:
     """SIGTERM every live child of this process; call it on the way out, once the DHT process is known dead.
     What remains are the orphans it left (its p2pd) and helpers that end with this process anyway (torch's
     shared-memory manager). Returns the pids signalled."""
-    pids = live_children(os.getpid()) if Path("/proc").is_dir() else []
+    pids = live_children(os.getpid())
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from swarmnode.procstat import proc_stat
 
 
 def running(pid: int) -> bool:
     """Whether `pid` runs (an unreaped zombie does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
+    stat = proc_stat(pid)
+    return stat is not None and not stat.zombie
