@@ -52,7 +52,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -75,9 +74,9 @@ from quality_summary import (  # benchmarks/, next to this script
     summarise,
     summary_table,
 )
+from up_runs import GRACE_S, read_report, run_up
 
 from swarmnode.data import Corpus, load_corpus
-from swarmnode.launcher.procs import ChildProcess
 from swarmnode.model_config import stage_layers
 from swarmnode.presets import get_preset
 from swarmnode.trainer import Progress, TrainConfig, train
@@ -86,8 +85,6 @@ EVAL_EVERY = 25  # the data nodes' evaluation period (`swarmnode.node.driver.Dat
 # `up --timeout` per step and batch a step trains on (`SwarmShape.batches_per_step`): generous, a calm run
 # of the tiny preset needs about 0.3 s a step per batch on two idle cores
 SECONDS_PER_BATCH = 10
-GRACE_S = 180.0  # beyond `up --timeout` before the benchmark stops `up` itself
-STOP_S = 60.0  # after SIGTERM, before SIGKILL
 DEFAULT_CONFIGS = "1x1,2x1,1x2,2x2,2x3"
 
 
@@ -124,32 +121,6 @@ def mean_per_step(points: list[dict[str, Any]]) -> Curve:
     for point in points:
         by_step[EVAL_EVERY * round(int(point["step"]) / EVAL_EVERY)].append(float(point["val_loss"]))
     return {step: statistics.fmean(losses) for step, losses in sorted(by_step.items())}
-
-
-def run_up(command: list[str], name: str, log_dir: Path, timeout: float) -> int | None:
-    """Run `up` (through the launcher's supervisor: its output in `{log_dir}/{name}.out` and `.err`); its
-    exit status, or None if it had to be stopped. Stopped, `up` gets SIGTERM (it ends its nodes and writes
-    its report), then SIGKILL to its group after STOP_S; the same when this script is interrupted."""
-    up = ChildProcess(name, command, log_dir)
-    try:
-        return up.wait(timeout)
-    except subprocess.TimeoutExpired:
-        return None
-    finally:
-        if up.poll() is None:
-            up.terminate()
-            try:
-                up.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                up.kill()
-
-
-def read_report(path: Path) -> dict[str, Any] | None:
-    try:
-        report: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return report
 
 
 def swarm_run(
