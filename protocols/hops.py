@@ -14,6 +14,7 @@ from protocols.manifest import TensorSpec, manifest_field
 MAX_PATH = 64  # hops of one microbatch path
 MAX_NONCE = 2**63 - 1  # a microbatch's nonce: random, issued by its data node
 MAX_VISITS = 4096  # microbatches of one iteration planned through one node
+MAX_COHORT = 63  # data nodes a forward names (`_Hop.senders`: one bit each in a msgpack int)
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,9 @@ class _Hop(Message):
     """One hop of a microbatch along `path` (written by its data node, `path[0]`). `nonce` is a random
     number the data node issues per microbatch; every hop carries it on, and the data node takes the
     microbatch back (forward, backward, route notice) only with it, so a peer never sent the microbatch
-    cannot forge its return."""
+    cannot forge its return. `cohort` (sorted) are the iteration's data nodes and `senders[i]` those whose
+    work the plan sends through `path[i]` in this iteration, bit j standing for `cohort[j]` (0, or both
+    empty: not known), so a stage node knows whose work to wait for before it steps (`StepBook.take`)."""
 
     run_id: str = field(metadata=checked(RUN))
     iteration: int = field(metadata=checked(count()))
@@ -33,6 +36,13 @@ class _Hop(Message):
     tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(manifest_field))
     evaluate: bool = field(default=False, metadata=checked(flag))
     nonce: int = field(default=0, metadata=checked(count(MAX_NONCE)))
+    cohort: tuple[str, ...] = field(default=(), metadata=checked(items(text(MAX_ID, 1), MAX_COHORT)))
+    senders: tuple[int, ...] = field(default=(), metadata=checked(items(count(2**MAX_COHORT - 1), MAX_PATH)))
+
+    def senders_here(self) -> frozenset[str] | None:
+        """The data nodes whose work the plan sends through `path[hop]` in this iteration, or None."""
+        mask = self.senders[self.hop] if self.senders else 0
+        return frozenset(peer for j, peer in enumerate(self.cohort) if mask >> j & 1) if mask else None
 
     def _check(self) -> None:
         if self.hop >= len(self.path):
@@ -45,6 +55,14 @@ class _Hop(Message):
             raise LocalProtocolError(
                 f"visits: {len(self.visits)} entries for a path of {len(self.path)} peers"
             )
+        if list(self.cohort) != sorted(set(self.cohort)):
+            raise LocalProtocolError("cohort: not sorted, or a data node named twice")
+        if self.senders and len(self.senders) != len(self.path):
+            raise LocalProtocolError(
+                f"senders: {len(self.senders)} entries for a path of {len(self.path)} peers"
+            )
+        if any(mask >> len(self.cohort) for mask in self.senders):
+            raise LocalProtocolError(f"senders: a bit beyond the cohort of {len(self.cohort)} data nodes")
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,18 @@ An abort may arrive before any forward of its group (the microbatch died upstrea
 down its path): it is remembered for one expiry period, so that the group does not wait for the microbatch
 that never will arrive.
 
-Ticks in step. A data node that sent this node work in one tick is awaited in the next: the first forward
-of tick t opens an awaited group for every other data node seen at t - 1, which holds the step of tick t
-until that data node's forwards of t arrive and finish, it moves on to a later tick, or `await_s` passes
-(it died, or sends its work elsewhere now; forwards that come later are taken, for a later step). So the
-forwards of every data node's tick t run on the weights of tick t - 1 and the updates of tick t follow
-them, whichever data node is a little ahead: without it the order of one node's step and another's forward
-was the timing's, and three runs of one seed of a 2x1 swarm ended 5.18 to 5.46. A node's first tick has no
-tick before: it waits for `first_tick_senders` data nodes (the run's `min_data_nodes`), at most `await_s`.
+Ticks in step. The first forward of tick t opens an awaited group for every other data node that will
+send this node work in tick t, which holds the step of tick t until that data node's forwards of t arrive
+and finish, it moves on to a later tick, or `await_s` passes (it died, or sends its work elsewhere now;
+forwards that come later are taken, for a later step). So the forwards of every data node's tick t run on
+the weights of tick t - 1 and the updates of tick t follow them, whichever data node is a little ahead:
+without it the order of one node's step and another's forward was the timing's, and three runs of one seed
+of a 2x1 swarm ended 5.18 to 5.46. Who will send: the forward names them (`senders`: the data nodes whose
+paths the plan sends through this node in tick t, from the plan every data node computes alike), else
+(a forward re-routed here, which the plan did not send) every data node seen at t - 1, and in a node's
+first tick `first_tick_senders` data nodes (the run's `min_data_nodes`). Guessing from tick t - 1 cost a run
+that skips stages `await_s` whenever a data node's path left this node out in the next tick: a step in four
+took 10 s on the emulated WAN (`benchmarks/wan_swarm.py`).
 
 Senders. A message's path is written by its sender, so it cannot say who may send a gradient back or abort.
 For each microbatch it took, the book remembers the path up to this node as it arrived and every peer the
@@ -35,6 +39,7 @@ may send its gradient; aborts come from those, the upstream peers or the data no
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -117,16 +122,30 @@ class StepBook:
 
     # ---- events ---------------------------------------------------------------------------------------
 
-    def take(self, key: MicrobatchKey, upstream: tuple[str, ...], expected: int, now: float) -> bool:
-        """A forward arrived along `upstream`, its group planning `expected` microbatches through this node.
-        False (refuse it) if it is a duplicate, was aborted, or belongs to a group already stepped past."""
+    def take(
+        self,
+        key: MicrobatchKey,
+        upstream: tuple[str, ...],
+        expected: int,
+        now: float,
+        senders: frozenset[str] | None = None,
+    ) -> bool:
+        """A forward arrived along `upstream`, its group planning `expected` microbatches through this node
+        and naming the data nodes whose work the plan sends through it in this tick (`senders`; None: not
+        known). False (refuse it) if it is a duplicate, was aborted, or belongs to a group already stepped
+        past."""
         key = MicrobatchKey(*key)
         if key.group in self._closed:
             return False
         for (origin, iteration), older in self._groups.items():
             if origin == key.origin and iteration < key.iteration:
                 older.expected = 0  # its data node moved on: what did not arrive here went elsewhere or died
-        self._await_senders_of_the_tick_before(key, now)
+        if senders is None:
+            self._await_senders_of_the_tick_before(key, now)
+        else:
+            self._await(key, senders, now)
+            if self._first_taken_at is None:
+                self._first_taken_at = math.inf  # the plan says who sends in the first tick too
         state = self._groups.get(key.group)
         if state is None or state.awaited:
             state = self._groups[key.group] = _GroupState(created=now if state is None else state.created)
@@ -145,11 +164,16 @@ class StepBook:
         return True
 
     def _await_senders_of_the_tick_before(self, key: MicrobatchKey, now: float) -> None:
-        for origin, tick in self._last_tick.items():
+        self._await(key, (o for o, tick in self._last_tick.items() if tick == key.iteration - 1), now)
+
+    def _await(self, key: MicrobatchKey, origins: Iterable[str], now: float) -> None:
+        """Hold the step of `key`'s tick for the other `origins`' groups of that tick (not moved on yet)."""
+        for origin in origins:
             group = (origin, key.iteration)
-            awaited = origin != key.origin and tick == key.iteration - 1
-            if awaited and group not in self._groups and group not in self._closed:
-                self._groups[group] = _GroupState(created=now, expected=1, awaited=True)
+            gone_past = self._last_tick.get(origin, key.iteration) > key.iteration
+            if origin == key.origin or gone_past or group in self._groups or group in self._closed:
+                continue
+            self._groups[group] = _GroupState(created=now, expected=1, awaited=True)
 
     def tries(self, key: MicrobatchKey) -> set[str] | None:
         """The set the router records its tries to send `key` on in (before each try), or None once `key`

@@ -81,3 +81,23 @@ def test_a_planner_that_skips_needs_a_skip_ratio() -> None:
         RunSpec(stages=STAGES, planner="random_skips")
     with pytest.raises(RunSpecError, match="run field 'planner': expected one of random_skips, skippipe"):
         RunSpec.from_dict({**RunSpec().to_dict(), "planner": "greedy"})
+
+
+def test_each_hop_names_the_data_nodes_whose_work_the_plan_sends_through_it() -> None:
+    # a stage node steps once the work of every data node the plan sends through it has come, so it waits
+    # for no data node whose paths skip it in this tick (`StepBook.take`), and for every one they visit
+    for planner in ("skippipe", "random_skips"):
+        spec = RunSpec(stages=STAGES, microbatches=2, skip_ratio=0.34, planner=planner)
+        read = six_stages()
+        for iteration in range(5):
+            planned = {data: plan_iteration(read, data, spec, iteration, 1024) for data in read.online(0)}
+            visitors: dict[str, set[str]] = {}
+            for data, mbs in planned.items():
+                for mb in mbs:
+                    for peer in mb.path[1:-1]:
+                        visitors.setdefault(peer, set()).add(data)
+            for mbs in planned.values():
+                for mb in mbs:
+                    assert mb.cohort == ("d1", "d2") and mb.senders[0] == mb.senders[-1] == 0
+                    for peer, mask in zip(mb.path[1:-1], mb.senders[1:-1], strict=True):
+                        assert {mb.cohort[j] for j in range(2) if mask >> j & 1} == visitors[peer]

@@ -264,6 +264,8 @@ class DataNode(Node):
             plan.visits,
             evaluate=machine.evaluation,
             nonce=send.nonce,
+            cohort=plan.cohort,
+            senders=plan.senders,
         )
         delivered = await self.router.forward(first, hidden, machine.tries(send.microbatch))
         event = Unsent(send.microbatch) if delivered is None else Sent(send.microbatch, delivered.path)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from protocols import membership
 from protocols.checkfree import swap_edge_pairs, swaps_edge_pairs
 from protocols.errors import LocalProtocolError
+from protocols.hops import MAX_COHORT
 from protocols.messages import NodeState
 from protocols.sightings import Sightings
 from protocols.skippipe import (
@@ -124,6 +125,8 @@ class PlannedMicrobatch:
     path: tuple[str, ...]  # peer ids, starting and ending at this data node
     stages: tuple[int, ...]  # the stage each hop serves (0 at both ends)
     visits: tuple[int, ...]  # how many of this iteration's microbatches the plan sends through each hop
+    cohort: tuple[str, ...] = ()  # the iteration's data nodes, sorted (empty: more than a forward names)
+    senders: tuple[int, ...] = ()  # per hop, which of them the plan sends through its node (bit j: cohort[j])
 
 
 def skip_ratio_of_live(skip_ratio: float, stages: int, live: int) -> float:
@@ -180,6 +183,11 @@ def plan_iteration(
     for mb in ids:
         for node in set(paths[mb][1:-1]):
             visits[node] = visits.get(node, 0) + 1
+    named = len(data_nodes) <= MAX_COHORT
+    senders: dict[int, int] = {}  # node -> the data nodes (bits) whose paths visit it: whom it waits for
+    for mb, path in paths.items():
+        for node in path[1:-1]:
+            senders[node] = senders.get(node, 0) | 1 << (mb // per_data_node)
     stage_ids = (0, *alive)
     planned = []
     for mb in ids:
@@ -196,6 +204,10 @@ def plan_iteration(
                 visits=tuple(
                     visits.get(node, 0) if 0 < i < len(path) - 1 else 1 for i, node in enumerate(path)
                 ),
+                cohort=tuple(data_nodes) if named else (),
+                senders=tuple(senders[node] if 0 < i < len(path) - 1 else 0 for i, node in enumerate(path))
+                if named
+                else (),
             )
         )
     return planned

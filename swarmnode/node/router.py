@@ -106,7 +106,8 @@ class Router:
         """Send `hidden` to the hop after `sent.hop`. Returns the message delivered, or None if it could not
         be (the caller aborts the microbatch). Every peer tried is added to `attempted` before it is called:
         only those may send this microbatch's gradient back."""
-        path, stages, visits = list(sent.path), list(sent.stages), list(sent.visits or [0] * len(sent.path))
+        path, stages = list(sent.path), list(sent.stages)
+        visits, senders = list(sent.visits or [0] * len(path)), list(sent.senders or [0] * len(path))
         nxt = sent.hop + 1
         tried: set[str] = set()
         spec = (TensorSpec("hidden", tuple(hidden.shape), str(hidden.dtype).removeprefix("torch.")),)
@@ -122,6 +123,8 @@ class Router:
                 spec,
                 sent.evaluate,
                 sent.nonce,
+                sent.cohort,
+                tuple(senders) if sent.senders else (),
             )
             target = path[nxt]
             if attempted is not None:
@@ -143,10 +146,10 @@ class Router:
             others = [p for p in self.online(stages[nxt]) if p not in tried and p not in path]
             if others:
                 path[nxt] = self.rng.choice(sorted(others))
-                visits[nxt] = 0
+                visits[nxt] = senders[nxt] = 0  # the plan sent nothing there: counts and senders unknown
                 self.reroutes += 1
             else:
-                del path[nxt], stages[nxt], visits[nxt]
+                del path[nxt], stages[nxt], visits[nxt], senders[nxt]
                 self.skips += 1
 
     async def backward(self, received: Backward | Forward, grad: Tensor) -> bool:

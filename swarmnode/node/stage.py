@@ -105,7 +105,9 @@ class StageNode(Node):
             raise Rejected(ErrorCode.BUSY, f"{len(self.book)} microbatches held or queued here")
         # a node is visited at most once per microbatch: a larger count is forged, and would stall steps
         expected = min(message.visits[message.hop], self._most_per_data_node()) if message.visits else 0
-        if not self.book.take(key, message.path[: message.hop], expected, time.monotonic()):
+        # whose work the plan sends here this tick: the step waits for them (a forged name: for `await_s`)
+        senders = message.senders_here()
+        if not self.book.take(key, message.path[: message.hop], expected, time.monotonic(), senders):
             raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
         self.spawn(self._forward(message, key, hidden), "forward")
         return encode(Ack()), []

@@ -80,8 +80,9 @@ EXAMPLES = [
     TokenizerRequest("run-1", "0123456789abcdef"),
     TokenizerTransfer("run-1", "0123456789abcdef", 2_500_000),
     Route("run-1", 7, 3, (*PATH, PATH[0]), 1),
+    Forward("run-1", 7, 3, PATH, 1, (0, 1, 0), (1, 2, 1), nonce=9, cohort=PATH[::2], senders=(0, 3, 0)),
 ]
-ROUTE = EXAMPLES[-1]
+ROUTE = next(message for message in EXAMPLES if isinstance(message, Route))
 
 
 def wire(message: object) -> dict:
@@ -248,6 +249,9 @@ def test_local_construction_is_checked() -> None:
         Forward("run", 0, 0, ("a", "b"), 1, (0,))
     with pytest.raises(LocalProtocolError, match="visits"):
         Forward("run", 0, 0, ("a", "b"), 1, (0, 1), (1,))
+    for cohort, senders in ((("b", "a"), (1, 3)), (("a", "a"), (1, 1)), (("a",), (1,)), (("a",), (1, 2))):
+        with pytest.raises(LocalProtocolError, match=r"cohort|senders"):
+            Forward("run", 0, 0, ("a", "b"), 1, (0, 1), cohort=cohort, senders=senders)
     with pytest.raises(LocalProtocolError, match="loss"):
         NodeRecord(NodeState.ONLINE, 1, 0, 0, loss=math.inf)
     for hostile in (0.0, 1e30, -1.1):  # a donor's lr factor must not blow up or freeze the receiver's weights
@@ -375,3 +379,13 @@ def test_every_decline_reason_arrives_as_the_enum(reason: Decline) -> None:
     enum member itself, never a string that merely compares equal."""
     reply = decode(encode(replace(DECLINED, decline=reason)), AveragingReply)
     assert reply.decline is reason
+
+
+def test_a_forward_names_whose_work_the_plan_sends_through_its_hop() -> None:
+    forward = Forward(
+        "run", 4, 0, ("d", "x", "y", "d"), 1, (0, 1, 2, 0), cohort=("d", "e"), senders=(0, 3, 1, 0)
+    )
+    assert forward.senders_here() == {"d", "e"}
+    assert replace(forward, hop=2).senders_here() == {"d"}
+    assert replace(forward, senders=(0, 0, 1, 0)).senders_here() is None  # a re-routed hop: not known
+    assert replace(forward, cohort=(), senders=()).senders_here() is None  # an older sender's forward

@@ -305,3 +305,55 @@ def test_the_first_tick_waits_for_the_runs_data_nodes() -> None:
     assert lone.take(key("d", 4, 0), ("d",), expected=1, now=10.2)  # later ticks: no wait for anyone
     lone.finish(key("d", 4, 0), applied=True, now=10.3)
     assert lone.ready(held=0, now=10.4) is not None
+
+
+def test_the_plan_names_who_sends_in_a_tick() -> None:
+    """A run that skips: e sent work in tick 4 but its tick-5 paths leave this node out, and the forwards
+    say so (`senders`): tick 5 steps without waiting for e. In tick 6 the plan sends e's work here again:
+    e is awaited, although it sent nothing in tick 5."""
+    book = StepBook(expiry_s=30.0, await_s=10.0)
+    for origin in ("d", "e"):
+        assert book.take(key(origin, 4, 0), (origin,), expected=1, now=0.0, senders=frozenset("de"))
+        book.finish(key(origin, 4, 0), applied=True, now=0.1)
+    assert book.ready(held=0, now=0.2) is not None
+    assert book.take(key("d", 5, 0), ("d",), expected=1, now=1.0, senders=frozenset("d"))
+    book.finish(key("d", 5, 0), applied=True, now=1.1)
+    decision = book.ready(held=0, now=1.2)  # no await for e
+    assert decision is not None and decision.updates == (("d", 5),)
+    assert book.take(key("d", 6, 0), ("d",), expected=1, now=2.0, senders=frozenset("de"))
+    book.finish(key("d", 6, 0), applied=True, now=2.1)
+    assert book.ready(held=0, now=2.2) is None  # e is named: awaited
+    assert book.take(key("e", 6, 0), ("e",), expected=1, now=2.5, senders=frozenset("de"))
+    book.finish(key("e", 6, 0), applied=True, now=2.6)
+    decision = book.ready(held=0, now=2.7)
+    assert decision is not None and decision.updates == (("d", 6), ("e", 6))
+
+
+def test_a_named_sender_that_moved_on_or_never_comes_holds_the_step_no_longer() -> None:
+    book = StepBook(expiry_s=30.0, await_s=5.0)
+    assert book.take(key("e", 7, 0), ("e",), expected=1, now=0.0, senders=frozenset("e"))
+    book.finish(key("e", 7, 0), applied=True, now=0.1)
+    assert book.ready(held=0, now=0.2) is not None
+    # d's plan (another view) says e sends here in tick 6, but e is past it already
+    assert book.take(key("d", 6, 0), ("d",), expected=1, now=1.0, senders=frozenset("def"))
+    book.finish(key("d", 6, 0), applied=True, now=1.1)
+    assert book.ready(held=0, now=1.2) is None  # f, never seen, is named: awaited
+    book.expire(now=6.1)  # for at most await_s
+    decision = book.ready(held=0, now=6.2)
+    assert decision is not None and decision.updates == (("d", 6),)
+
+
+def test_the_first_tick_waits_for_the_senders_the_plan_names() -> None:
+    book = StepBook(expiry_s=30.0, await_s=10.0, first_tick_senders=2)
+    assert book.take(key("d", 0, 0), ("d",), expected=1, now=0.0, senders=frozenset("d"))
+    book.finish(key("d", 0, 0), applied=True, now=0.5)
+    decision = book.ready(held=0, now=0.6)  # the other data node's paths skip this node: no wait
+    assert decision is not None and decision.updates == (("d", 0),)
+    named = StepBook(expiry_s=30.0, await_s=10.0, first_tick_senders=1)
+    assert named.take(key("d", 0, 0), ("d",), expected=1, now=0.0, senders=frozenset("de"))
+    named.finish(key("d", 0, 0), applied=True, now=0.5)
+    assert named.ready(held=0, now=0.6) is None  # e is named, though the run starts with one data node
+    assert named.take(key("e", 0, 0), ("e",), expected=1, now=1.0, senders=frozenset("de"))
+    named.finish(key("e", 0, 0), applied=True, now=1.5)
+    decision = named.ready(held=0, now=1.6)
+    assert decision is not None and decision.updates == (("d", 0), ("e", 0))
