@@ -10,8 +10,8 @@ that link; `docs/design.md`, "Emulated links"), one after the other, read back f
 
 - `full_pipeline`: skip ratio 0, every path visits every stage in order (the planner only picks replicas);
 - `skippipe`: skip ratio X, SkipPipe's scheduler (stage sets, orders and replicas chosen against collisions);
-- `random_skips`: skip ratio X, the paper's baseline: each data node's fixed pipeline, a random balanced
-  choice of stages per microbatch, blind to collisions (`RunSpec.planner`).
+- `random_skips`: skip ratio X, the paper's baseline: a random balanced choice of stages per microbatch, in
+  stage order, blind to collisions (`RunSpec.planner`; the replicas dealt out as in every plan).
 
 Per run: the data nodes' median and 90th-percentile iteration time (the first `WARMUP_STEPS` steps included:
 the report keeps every iteration that ended in a step), what the SkipPipe simulator predicts for the same

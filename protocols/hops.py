@@ -22,9 +22,7 @@ class _Hop(Message):
     """One hop of a microbatch along `path` (written by its data node, `path[0]`). `nonce` is a random
     number the data node issues per microbatch; every hop carries it on, and the data node takes the
     microbatch back (forward, backward, route notice) only with it, so a peer never sent the microbatch
-    cannot forge its return. `cohort` (sorted) are the iteration's data nodes and `senders[i]` those whose
-    work the plan sends through `path[i]` in this iteration, bit j standing for `cohort[j]` (0, or both
-    empty: not known), so a stage node knows whose work to wait for before it steps (`StepBook.take`)."""
+    cannot forge its return."""
 
     run_id: str = field(metadata=checked(RUN))
     iteration: int = field(metadata=checked(count()))
@@ -36,13 +34,6 @@ class _Hop(Message):
     tensors: tuple[TensorSpec, ...] = field(default=(), metadata=checked(manifest_field))
     evaluate: bool = field(default=False, metadata=checked(flag))
     nonce: int = field(default=0, metadata=checked(count(MAX_NONCE)))
-    cohort: tuple[str, ...] = field(default=(), metadata=checked(items(text(MAX_ID, 1), MAX_COHORT)))
-    senders: tuple[int, ...] = field(default=(), metadata=checked(items(count(2**MAX_COHORT - 1), MAX_PATH)))
-
-    def senders_here(self) -> frozenset[str] | None:
-        """The data nodes whose work the plan sends through `path[hop]` in this iteration, or None."""
-        mask = self.senders[self.hop] if self.senders else 0
-        return frozenset(peer for j, peer in enumerate(self.cohort) if mask >> j & 1) if mask else None
 
     def _check(self) -> None:
         if self.hop >= len(self.path):
@@ -55,21 +46,40 @@ class _Hop(Message):
             raise LocalProtocolError(
                 f"visits: {len(self.visits)} entries for a path of {len(self.path)} peers"
             )
+
+
+@dataclass(frozen=True)
+class Forward(_Hop):
+    """Activations of one microbatch, sent to `path[hop]`, which runs its layers and passes them on.
+
+    `cohort` (sorted) are the iteration's data nodes and `senders[i]` those whose work the plan sends
+    through `path[i]` in this iteration, bit j standing for `cohort[j]` (0, or both empty: not known), so a
+    stage node knows whose work to wait for before it steps (`StepBook.take`)."""
+
+    KIND: ClassVar[str] = "forward"
+    cohort: tuple[str, ...] = field(default=(), metadata=checked(items(text(MAX_ID, 1), MAX_COHORT)))
+    senders: tuple[int, ...] = field(default=(), metadata=checked(items(count(2**MAX_COHORT - 1), MAX_PATH)))
+
+    def senders_here(self) -> frozenset[str] | None:
+        """The data nodes whose work the plan sends through `path[hop]` in this iteration, or None."""
+        mask = self.senders[self.hop] if self.senders else 0
+        return frozenset(peer for j, peer in enumerate(self.cohort) if mask >> j & 1) if mask else None
+
+    def _check(self) -> None:
+        super()._check()
         if list(self.cohort) != sorted(set(self.cohort)):
             raise LocalProtocolError("cohort: not sorted, or a data node named twice")
-        if self.senders and len(self.senders) != len(self.path):
+        if not self.senders:
+            return
+        if len(self.senders) != len(self.path):
             raise LocalProtocolError(
                 f"senders: {len(self.senders)} entries for a path of {len(self.path)} peers"
             )
         if any(mask >> len(self.cohort) for mask in self.senders):
             raise LocalProtocolError(f"senders: a bit beyond the cohort of {len(self.cohort)} data nodes")
-
-
-@dataclass(frozen=True)
-class Forward(_Hop):
-    """Activations of one microbatch, sent to `path[hop]`, which runs its layers and passes them on."""
-
-    KIND: ClassVar[str] = "forward"
+        origin = self.cohort.index(self.path[0]) if self.path[0] in self.cohort else None
+        if origin is None or any(mask and not mask >> origin & 1 for mask in self.senders):
+            raise LocalProtocolError("senders: a hop that does not name the data node whose path it is")
 
 
 @dataclass(frozen=True)

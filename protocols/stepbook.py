@@ -23,12 +23,14 @@ and finish, it moves on to a later tick, or `await_s` passes (it died, or sends 
 forwards that come later are taken, for a later step). So the forwards of every data node's tick t run on
 the weights of tick t - 1 and the updates of tick t follow them, whichever data node is a little ahead:
 without it the order of one node's step and another's forward was the timing's, and three runs of one seed
-of a 2x1 swarm ended 5.18 to 5.46. Who will send: the forward names them (`senders`: the data nodes whose
-paths the plan sends through this node in tick t, from the plan every data node computes alike), else
-(a forward re-routed here, which the plan did not send) every data node seen at t - 1, and in a node's
-first tick `first_tick_senders` data nodes (the run's `min_data_nodes`). Guessing from tick t - 1 cost a run
-that skips stages `await_s` whenever a data node's path left this node out in the next tick: a step in four
-took 10 s on the emulated WAN (`benchmarks/wan_swarm.py`).
+of a 2x1 swarm ended 5.18 to 5.46. Who will send: the forwards name them (`senders`: the data nodes whose
+paths the plan sends through this node in tick t; the union of what the tick's forwards name, as data nodes
+plan from views that may differ a little); if no forward of the tick names anyone (a forward re-routed
+here, which the plan did not send), every data node seen at t - 1, and in a node's first tick
+`first_tick_senders` data nodes (the run's `min_data_nodes`). Guessing from tick t - 1 cost a run that skips
+stages `await_s` whenever a data node's path left this node out in the next tick: a step in four took 10 s
+on the emulated WAN (`benchmarks/wan_swarm.py`). A data node awaited in vain is not awaited again in that
+tick (`StepDecision.waited_out` says whom the step went without).
 
 Senders. A message's path is written by its sender, so it cannot say who may send a gradient back or abort.
 For each microbatch it took, the book remembers the path up to this node as it arrived and every peer the
@@ -45,7 +47,7 @@ from typing import NamedTuple
 
 MAX_EARLY_ABORTS = 4096  # aborts remembered for groups not seen yet (a bound against a flood of them)
 FORGET_AFTER_EXPIRIES = 10  # closed groups are remembered (late messages refused) this many expiry periods
-AWAIT_S = 10.0  # how long a tick's step waits at most for a data node that sent work in the tick before
+AWAIT_S = 10.0  # how long a tick's step waits at most for a data node expected to send work in it
 # (at most a third of the expiry, the run's iteration timeout)
 FORGET_ORIGIN_TICKS = 16  # a data node silent this many ticks is no longer remembered as a sender
 
@@ -72,7 +74,8 @@ class _GroupState:
     seen: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
     applied: int = 0  # microbatches whose gradient reached this node's parameters
-    awaited: bool = False  # opened for a data node that sent work in the tick before; none of its yet
+    awaited: bool = False  # opened for a data node expected to send work in this tick; none of its yet
+    ran_out: bool = False  # expired (an awaited one: `await_s` passed without its work)
 
     @property
     def complete(self) -> bool:
@@ -97,6 +100,7 @@ class StepDecision:
     updates: tuple[Group, ...]
     applied: int
     shares: tuple[int, ...]
+    waited_out: tuple[Group, ...] = ()  # awaited groups whose work never came (`await_s` ran out)
 
     @property
     def iteration(self) -> int | None:
@@ -109,7 +113,7 @@ class StepBook:
 
     def __init__(self, expiry_s: float, await_s: float = AWAIT_S, first_tick_senders: int = 1) -> None:
         """`first_tick_senders`: how many data nodes this node's first tick waits for (at most `await_s`):
-        the run's `min_data_nodes` in a fresh swarm, where no tick before says who sends."""
+        the run's `min_data_nodes` in a fresh swarm whose forwards name no senders."""
         self.expiry_s = expiry_s
         self.await_s = min(await_s, expiry_s / 3)  # so a data node's iteration outlasts a wait for another
         self.first_tick_senders = first_tick_senders
@@ -118,6 +122,8 @@ class StepBook:
         self._last_tick: dict[str, int] = {}  # each data node's latest tick seen here
         self._closed: dict[Group, float] = {}  # stepped groups, remembered to refuse late messages
         self._early: dict[Group, tuple[float, set[int]]] = {}  # aborts of groups not seen yet
+        self._named: dict[int, set[str]] = {}  # per tick, the senders its forwards named
+        self._waited_out: dict[Group, float] = {}  # awaits that ran out: not awaited again
         self._taken: dict[MicrobatchKey, _Hops] = {}  # taken and not finished: queued, held or downstream
 
     # ---- events ---------------------------------------------------------------------------------------
@@ -140,12 +146,17 @@ class StepBook:
         for (origin, iteration), older in self._groups.items():
             if origin == key.origin and iteration < key.iteration:
                 older.expected = 0  # its data node moved on: what did not arrive here went elsewhere or died
-        if senders is None:
-            self._await_senders_of_the_tick_before(key, now)
-        else:
-            self._await(key, senders, now)
+        if senders is not None:
+            named = self._named.setdefault(key.iteration, set())
+            named |= senders
+            for group in [g for g, state in self._groups.items() if state.awaited and g[1] == key.iteration]:
+                if group[0] not in named:  # a guess from the tick before that the plan contradicts
+                    del self._groups[group]
+            self._await(key, named, now)
             if self._first_taken_at is None:
                 self._first_taken_at = math.inf  # the plan says who sends in the first tick too
+        elif key.iteration not in self._named:
+            self._await_senders_of_the_tick_before(key, now)
         state = self._groups.get(key.group)
         if state is None or state.awaited:
             state = self._groups[key.group] = _GroupState(created=now if state is None else state.created)
@@ -161,6 +172,8 @@ class StepBook:
         latest = max(self._last_tick.values())
         for origin in [o for o, tick in self._last_tick.items() if tick < latest - FORGET_ORIGIN_TICKS]:
             del self._last_tick[origin]
+        for tick in [tick for tick in self._named if tick < latest - FORGET_ORIGIN_TICKS]:
+            del self._named[tick]
         return True
 
     def _await_senders_of_the_tick_before(self, key: MicrobatchKey, now: float) -> None:
@@ -171,7 +184,8 @@ class StepBook:
         for origin in origins:
             group = (origin, key.iteration)
             gone_past = self._last_tick.get(origin, key.iteration) > key.iteration
-            if origin == key.origin or gone_past or group in self._groups or group in self._closed:
+            known = group in self._groups or group in self._closed or group in self._waited_out
+            if origin == key.origin or gone_past or known:
                 continue
             self._groups[group] = _GroupState(created=now, expected=1, awaited=True)
 
@@ -205,6 +219,7 @@ class StepBook:
             if not state.complete and now - state.created > limit:
                 state.expected = 0
                 state.finished |= state.seen
+                state.ran_out = True
         open_groups = self.open_groups
         for key in [key for key in self._taken if key.group not in open_groups]:
             del self._taken[key]
@@ -224,18 +239,23 @@ class StepBook:
             return None
         self._first_taken_at = math.inf  # the first tick is over: the ticks before say who sends
         updates = sorted((group for group in due if self._groups[group].applied), key=lambda g: (g[1], g[0]))
+        waited_out = tuple(sorted(g for g in due if self._groups[g].awaited and self._groups[g].ran_out))
         decision = StepDecision(
             tuple(updates),
             sum(self._groups[group].applied for group in due),
             tuple(self._groups[group].applied for group in updates),
+            waited_out,
         )
         for group in due:
-            if not self._groups[group].awaited:  # an await that ran out closes nothing: its forwards, if
-                self._closed[group] = now  # they come late, open the group afresh for a later step
+            if not self._groups[group].awaited:  # an awaited group closes nothing (below)
+                self._closed[group] = now
             del self._groups[group]
+        for group in waited_out:  # an await that ran out closes nothing: its forwards, if they come late,
+            self._waited_out[group] = now  # open the group afresh for a later step; it is not awaited again
         horizon = now - FORGET_AFTER_EXPIRIES * self.expiry_s
-        for group in [g for g, closed in self._closed.items() if closed < horizon]:
-            del self._closed[group]
+        for book in (self._closed, self._waited_out):
+            for group in [g for g, at in book.items() if at < horizon]:
+                del book[group]
         return decision
 
     def _first_tick_waits(self, now: float) -> bool:

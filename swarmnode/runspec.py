@@ -33,7 +33,7 @@ COMPRESSIONS = ("none", "float16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 COMPUTE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `precision.COMPUTE_DTYPES`, torch-free
 # how data nodes choose a run's paths (`node.planning`): SkipPipe's scheduler, or the paper's baseline of
-# random skips on fixed pipelines, blind to collisions (for benchmarks: `benchmarks/wan_swarm.py`)
+# random skips in stage order, blind to collisions (for benchmarks: `benchmarks/wan_swarm.py`)
 PLANNERS = ("skippipe", "random_skips")
 
 

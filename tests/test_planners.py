@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 
+from protocols.hops import MAX_COHORT
 from protocols.messages import NodeRecord, NodeState
 from swarmnode.node.planning import PlannedMicrobatch, SwarmRead, plan_iteration
 from swarmnode.peer_record import PeerRecord
@@ -49,8 +50,8 @@ def test_random_skips_visit_a_balanced_random_share_of_the_stages_in_order() -> 
     assert len(orders) > 3  # the stage sets are drawn, not fixed
 
 
-def test_random_skips_keep_each_data_node_on_its_pipeline_dealt_over_the_replicas() -> None:
-    # the baseline's pipelines are fixed per data node, then the replicas are dealt out as for every plan
+def test_random_skips_deal_every_replica_its_share() -> None:
+    # the baseline's paths keep each data node's pipeline, then the replicas are dealt out as for every plan
     # (`mix_replicas`: NoLoCo needs every data node's data on every replica)
     spec = RunSpec(
         stages=STAGES, microbatches=4, skip_ratio=0.34, planner="random_skips", checkfree_plus=False
@@ -86,9 +87,9 @@ def test_a_planner_that_skips_needs_a_skip_ratio() -> None:
 def test_each_hop_names_the_data_nodes_whose_work_the_plan_sends_through_it() -> None:
     # a stage node steps once the work of every data node the plan sends through it has come, so it waits
     # for no data node whose paths skip it in this tick (`StepBook.take`), and for every one they visit
-    for planner in ("skippipe", "random_skips"):
+    for planner, replicas in (("skippipe", 1), ("random_skips", 1), ("skippipe", 2)):
         spec = RunSpec(stages=STAGES, microbatches=2, skip_ratio=0.34, planner=planner)
-        read = six_stages()
+        read = six_stages(replicas)
         for iteration in range(5):
             planned = {data: plan_iteration(read, data, spec, iteration, 1024) for data in read.online(0)}
             visitors: dict[str, set[str]] = {}
@@ -101,3 +102,15 @@ def test_each_hop_names_the_data_nodes_whose_work_the_plan_sends_through_it() ->
                     assert mb.cohort == ("d1", "d2") and mb.senders[0] == mb.senders[-1] == 0
                     for peer, mask in zip(mb.path[1:-1], mb.senders[1:-1], strict=True):
                         assert {mb.cohort[j] for j in range(2) if mask >> j & 1} == visitors[peer]
+
+
+def test_a_plan_of_more_data_nodes_than_a_forward_can_name_names_nobody() -> None:
+    stages = {0: [f"d{i:02d}" for i in range(MAX_COHORT + 1)], 1: ["a"], 2: ["b"], 3: ["c"]}
+    read = SwarmRead(
+        {
+            k: [PeerRecord(p, NodeRecord(NodeState.ONLINE, k, 0, 0), 0.0) for p in peers]
+            for k, peers in stages.items()
+        }
+    )
+    [planned] = plan_iteration(read, "d00", RunSpec(microbatches=1, checkfree_plus=False), 0, 1024)
+    assert planned.cohort == planned.senders == ()  # the stage nodes fall back to the tick before

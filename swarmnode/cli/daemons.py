@@ -159,8 +159,8 @@ def _peers_or_fail(value: str | None) -> list[str]:
     "--planner",
     type=click.Choice(PLANNERS),
     default=None,
-    help="How data nodes choose paths that skip: SkipPipe's scheduler (default) or random skips on fixed "
-    "pipelines (the paper's baseline, for comparisons).",
+    help="How data nodes choose paths that skip: SkipPipe's scheduler (default) or random skips in stage "
+    "order (the paper's baseline, for comparisons).",
 )
 @click.option("--noloco-every", type=click.IntRange(min=1), default=None, help="NoLoCo inner steps H.")
 @click.option(

@@ -154,7 +154,7 @@ class FiniteFloatRange(click.FloatRange):
     type=click.Choice(PLANNERS),
     default="skippipe",
     show_default=True,
-    help="How data nodes choose paths that skip: SkipPipe's scheduler, or random skips on fixed pipelines "
+    help="How data nodes choose paths that skip: SkipPipe's scheduler, or random skips in stage order "
     "(the paper's baseline, for comparisons).",
 )
 @click.option(

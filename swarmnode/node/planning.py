@@ -2,12 +2,14 @@
 
 Every data node plans the whole swarm's iteration with the same scheduler (deterministic for a seed) from
 its view of the DHT and takes its own microbatches: no round trip per microbatch, no planner to elect.
-Views that differ for a moment only cost some collisions. Stages with no online node are left out of the
-view, so in a run that skips, paths skip past a lost stage while it is being rebuilt; a run with skip ratio
-0 waits for the rebuild instead (`RebuildWait`, bounded) and keeps every path in stage order (the scheduler
-then only picks replicas); one that skips also lets SkipPipe reorder stages. A run whose `planner` is
-`random_skips` skips as SkipPipe's paper's baseline does instead: each data node's fixed pipeline, a random
-balanced choice of stages per microbatch, in stage order, blind to collisions.
+Views that differ for a moment cost some collisions, and a stage node may wait for a data node that another
+data node's plan sent there and its own did not (`PlannedMicrobatch.senders`, `StepBook.take`). Stages with
+no online node are left out of the view, so in a run that skips, paths skip past a lost stage while it is
+being rebuilt; a run with skip ratio 0 waits for the rebuild instead (`RebuildWait`, bounded) and keeps every
+path in stage order (the scheduler then only picks replicas); one that skips also lets SkipPipe reorder
+stages. A run whose `planner` is
+`random_skips` skips as SkipPipe's paper's baseline does instead: a random balanced choice of stages per
+microbatch, in stage order, blind to collisions (the replicas then dealt out as in every plan).
 CheckFree+ swaps are not the scheduler's choice: they are fixed by the iteration and the microbatch
 (`protocols.checkfree.swaps_edge_pairs`), so every data node and replica sees both orders evenly, whatever
 the timing.
@@ -185,9 +187,9 @@ def plan_iteration(
             visits[node] = visits.get(node, 0) + 1
     named = len(data_nodes) <= MAX_COHORT
     senders: dict[int, int] = {}  # node -> the data nodes (bits) whose paths visit it: whom it waits for
-    for mb, path in paths.items():
-        for node in path[1:-1]:
-            senders[node] = senders.get(node, 0) | 1 << (mb // per_data_node)
+    for path in paths.values() if named else ():
+        for node in path[1:-1]:  # a path starts at its data node, view node path[0] = data_nodes[path[0]]
+            senders[node] = senders.get(node, 0) | 1 << path[0]
     stage_ids = (0, *alive)
     planned = []
     for mb in ids:

@@ -105,8 +105,11 @@ class StageNode(Node):
             raise Rejected(ErrorCode.BUSY, f"{len(self.book)} microbatches held or queued here")
         # a node is visited at most once per microbatch: a larger count is forged, and would stall steps
         expected = min(message.visits[message.hop], self._most_per_data_node()) if message.visits else 0
-        # whose work the plan sends here this tick: the step waits for them (a forged name: for `await_s`)
+        # whose work the plan sends here this tick: the step waits for them (for at most `await_s`); only
+        # online data nodes count, so forged names hold nothing
         senders = message.senders_here()
+        if senders is not None:
+            senders &= {*self.view().online(0), key.origin}
         if not self.book.take(key, message.path[: message.hop], expected, time.monotonic(), senders):
             raise Rejected(ErrorCode.STALE, f"microbatch {key} is stale or a duplicate")
         self.spawn(self._forward(message, key, hidden), "forward")
@@ -273,6 +276,13 @@ class StageNode(Node):
                 # a replica that gets no microbatch for a while still takes its outer steps
                 await self.compute.submit(Priority.STEP, lambda: self.outer.apply_pending(clock))
             return False
+        for origin, tick in decision.waited_out:
+            logger.info(
+                "tick %d steps without %s's work: awaited %.0f s in vain",
+                tick,
+                origin[-8:],
+                self.book.await_s,
+            )
         keep = self.book.groups
         norms = await self.compute.submit(Priority.STEP, lambda: self._step(decision, keep))
         if any(not math.isfinite(norm) for norm in norms):

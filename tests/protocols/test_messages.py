@@ -249,7 +249,13 @@ def test_local_construction_is_checked() -> None:
         Forward("run", 0, 0, ("a", "b"), 1, (0,))
     with pytest.raises(LocalProtocolError, match="visits"):
         Forward("run", 0, 0, ("a", "b"), 1, (0, 1), (1,))
-    for cohort, senders in ((("b", "a"), (1, 3)), (("a", "a"), (1, 1)), (("a",), (1,)), (("a",), (1, 2))):
+    for cohort, senders in (
+        (("b", "a"), (1, 3)),  # not sorted
+        (("a", "a"), (1, 1)),  # a data node twice
+        (("a",), (1,)),  # not one entry per hop
+        (("a",), (1, 2)),  # a bit beyond the cohort
+        (("a", "c"), (0, 2)),  # a hop of a's path that does not name a
+    ):
         with pytest.raises(LocalProtocolError, match=r"cohort|senders"):
             Forward("run", 0, 0, ("a", "b"), 1, (0, 1), cohort=cohort, senders=senders)
     with pytest.raises(LocalProtocolError, match="loss"):

@@ -357,3 +357,39 @@ def test_the_first_tick_waits_for_the_senders_the_plan_names() -> None:
     named.finish(key("e", 0, 0), applied=True, now=1.5)
     decision = named.ready(held=0, now=1.6)
     assert decision is not None and decision.updates == (("d", 0), ("e", 0))
+
+
+def test_a_forward_that_names_nobody_does_not_undo_the_names_of_its_tick() -> None:
+    """f's forward was re-routed here (it names nobody): the tick still waits only for the named senders,
+    not for every data node of the tick before, whichever forward came first."""
+    for order in (("d", "f"), ("f", "d")):
+        book = StepBook(expiry_s=30.0, await_s=10.0)
+        for origin in "def":
+            assert book.take(key(origin, 4, 0), (origin,), expected=1, now=0.0, senders=frozenset("def"))
+            book.finish(key(origin, 4, 0), applied=True, now=0.1)
+        assert book.ready(held=0, now=0.2) is not None
+        for origin in order:
+            named = frozenset("df") if origin == "d" else None
+            assert book.take(key(origin, 5, 0), (origin,), expected=1, now=1.0, senders=named)
+            book.finish(key(origin, 5, 0), applied=True, now=1.1)
+        decision = book.ready(held=0, now=1.2)  # e is named by nobody: not awaited
+        assert decision is not None and decision.updates == (("d", 5), ("f", 5)), order
+
+
+def test_a_sender_awaited_in_vain_is_not_awaited_again_in_that_tick() -> None:
+    book = StepBook(expiry_s=30.0, await_s=5.0)
+    assert book.take(key("d", 6, 0), ("d",), expected=1, now=0.0, senders=frozenset("de"))
+    book.finish(key("d", 6, 0), applied=True, now=0.1)
+    book.expire(now=5.1)  # e's plan (another view) sent its work elsewhere
+    decision = book.ready(held=0, now=5.2)
+    assert decision is not None and decision.updates == (("d", 6),) and decision.waited_out == (("e", 6),)
+    assert book.take(key("f", 6, 0), ("f",), expected=1, now=5.4, senders=frozenset("def"))  # f is late
+    book.finish(key("f", 6, 0), applied=True, now=5.5)
+    decision = book.ready(held=0, now=5.6)  # e, waited out once, holds the step no more
+    assert decision is not None and decision.updates == (("f", 6),) and decision.waited_out == ()
+    moved_on = StepBook(expiry_s=30.0, await_s=5.0)
+    assert moved_on.take(key("d", 6, 0), ("d",), expected=1, now=0.0, senders=frozenset("de"))
+    assert moved_on.take(key("e", 7, 0), ("e",), expected=1, now=0.5, senders=frozenset("de"))
+    moved_on.finish(key("d", 6, 0), applied=True, now=0.6)
+    decision = moved_on.ready(held=0, now=0.7)  # e moved on: not a wait that ran out
+    assert decision is not None and decision.updates == (("d", 6),) and decision.waited_out == ()
