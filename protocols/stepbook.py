@@ -30,7 +30,9 @@ here, which the plan did not send), every data node seen at t - 1, and in a node
 `first_tick_senders` data nodes (the run's `min_data_nodes`). Guessing from tick t - 1 cost a run that skips
 stages `await_s` whenever a data node's path left this node out in the next tick: a step in four took 10 s
 on the emulated WAN (`benchmarks/wan_swarm.py`). A data node awaited in vain is not awaited again in that
-tick (`StepDecision.waited_out` says whom the step went without).
+tick (`StepDecision.waited_out` says whom the step went without). A data node whose record shows it
+finished a tick (`passed`) sends nothing more for it: so a plan that named it here wrongly (the data nodes'
+views differ a little) costs the time its record takes to show that, about a second or two, not `await_s`.
 
 Senders. A message's path is written by its sender, so it cannot say who may send a gradient back or abort.
 For each microbatch it took, the book remembers the path up to this node as it arrived and every peer the
@@ -50,6 +52,7 @@ FORGET_AFTER_EXPIRIES = 10  # closed groups are remembered (late messages refuse
 AWAIT_S = 10.0  # how long a tick's step waits at most for a data node expected to send work in it
 # (at most a third of the expiry, the run's iteration timeout)
 FORGET_ORIGIN_TICKS = 16  # a data node silent this many ticks is no longer remembered as a sender
+MAX_PASSED = 1024  # data nodes whose finished ticks are remembered (`passed`)
 
 
 class MicrobatchKey(NamedTuple):
@@ -123,6 +126,7 @@ class StepBook:
         self._closed: dict[Group, float] = {}  # stepped groups, remembered to refuse late messages
         self._early: dict[Group, tuple[float, set[int]]] = {}  # aborts of groups not seen yet
         self._named: dict[int, set[str]] = {}  # per tick, the senders its forwards named
+        self._passed: dict[str, int] = {}  # each data node's latest tick finished, as its record shows
         self._waited_out: dict[Group, float] = {}  # awaits that ran out: not awaited again
         self._taken: dict[MicrobatchKey, _Hops] = {}  # taken and not finished: queued, held or downstream
 
@@ -183,11 +187,27 @@ class StepBook:
         """Hold the step of `key`'s tick for the other `origins`' groups of that tick (not moved on yet)."""
         for origin in origins:
             group = (origin, key.iteration)
-            gone_past = self._last_tick.get(origin, key.iteration) > key.iteration
+            gone_past = (
+                self._last_tick.get(origin, key.iteration) > key.iteration
+                or self._passed.get(origin, -1) >= key.iteration
+            )
             known = group in self._groups or group in self._closed or group in self._waited_out
             if origin == key.origin or gone_past or known:
                 continue
             self._groups[group] = _GroupState(created=now, expected=1, awaited=True)
+
+    def passed(self, origin: str, tick: int) -> None:
+        """`origin` finished its ticks up to `tick` (its record's step says so): whatever of them did not
+        reach this node went elsewhere or died, so its groups of those ticks wait for nothing more and it
+        is awaited in none of them."""
+        if tick <= self._passed.get(origin, -1):
+            return
+        self._passed[origin] = tick
+        for (sender, iteration), state in self._groups.items():
+            if sender == origin and iteration <= tick:
+                state.expected = 0
+        if len(self._passed) > MAX_PASSED:
+            del self._passed[min(self._passed, key=self._passed.__getitem__)]
 
     def tries(self, key: MicrobatchKey) -> set[str] | None:
         """The set the router records its tries to send `key` on in (before each try), or None once `key`

@@ -251,6 +251,10 @@ class StageNode(Node):
             return
         self._stepping = True
         try:
+            for data_node in self.swarm_read.stages.get(
+                0, ()
+            ):  # at step s it sends nothing more for tick s-1
+                self.book.passed(data_node.peer_id, data_node.record.step - 1)
             clock = self.swarm_read.clock()
             if not self.book.waits(clock):  # else the step of the older iterations moves the clock first
                 await self.tick(clock)

@@ -393,3 +393,32 @@ def test_a_sender_awaited_in_vain_is_not_awaited_again_in_that_tick() -> None:
     moved_on.finish(key("d", 6, 0), applied=True, now=0.6)
     decision = moved_on.ready(held=0, now=0.7)  # e moved on: not a wait that ran out
     assert decision is not None and decision.updates == (("d", 6),) and decision.waited_out == ()
+
+
+def test_a_data_node_whose_record_shows_a_tick_finished_is_awaited_in_it_no_longer() -> None:
+    """d's plan named e here in tick 6, e's own plan (another view) sent its work elsewhere: e's record
+    showing step 7 ends the wait (about a second later), not `await_s`."""
+    book = StepBook(expiry_s=30.0, await_s=10.0)
+    assert book.take(key("d", 6, 0), ("d",), expected=1, now=0.0, senders=frozenset("de"))
+    book.finish(key("d", 6, 0), applied=True, now=0.1)
+    book.passed("e", 5)
+    assert book.ready(held=0, now=0.2) is None  # e is at tick 6 still
+    book.passed("e", 6)
+    decision = book.ready(held=0, now=1.5)
+    assert decision is not None and decision.updates == (("d", 6),) and decision.waited_out == ()
+    assert book.take(key("d", 6, 1), ("d",), expected=1, now=1.6) is False  # closed
+    assert book.take(key("f", 6, 0), ("f",), expected=1, now=1.7, senders=frozenset("ef"))
+    book.finish(key("f", 6, 0), applied=True, now=1.8)
+    decision = book.ready(held=0, now=1.9)  # e finished tick 6: not awaited again
+    assert decision is not None and decision.updates == (("f", 6),)
+
+
+def test_a_data_node_that_finished_a_tick_half_here_is_not_waited_for() -> None:
+    # d planned 2 microbatches through this node, one came, the other was re-routed elsewhere
+    book = StepBook(expiry_s=30.0)
+    assert book.take(key("d", 3, 0), ("d",), expected=2, now=0.0, senders=frozenset("d"))
+    book.finish(key("d", 3, 0), applied=True, now=0.1)
+    assert book.ready(held=0, now=0.2) is None
+    book.passed("d", 3)
+    decision = book.ready(held=0, now=1.2)
+    assert decision is not None and decision.updates == (("d", 3),) and decision.applied == 1
