@@ -2,12 +2,12 @@
 
 A model of the tiny preset's dimensions in 6 stages of one layer trains until its validation loss reaches the
 target: the loss a failure-free run of the same seed reaches after `target_steps` steps (both as the mean of
-the last 3 evaluations, 4 steps apart, 10 in full mode: one evaluation is too noisy to be a target). Each
-transformer stage fails with probability p in each iteration, drawn independently (the paper's failure
-model); the draws of a (seed, rate) are the same for every method, indexed by executed iteration. Methods:
+the last 3 evaluations, 4 steps apart: one evaluation is too noisy to be a target). Each transformer
+stage fails with probability p in each iteration, drawn independently (the paper's failure model); the draws
+of a (seed, rate) are the same for every method, indexed by executed iteration. Methods:
 
-- `checkpointing`: a checkpoint every 10 steps (25 in full mode, 3 in smoke); a failure rolls the whole
-  model back to it (the steps since are trained again on the same batches);
+- `checkpointing`: a checkpoint every 10 steps (3 in smoke mode); a failure rolls the whole model back to
+  it (the steps since are trained again on the same batches);
 - `redundant`: Bamboo-style redundant computation: a failure loses nothing, every iteration is slower (each
   stage also runs its successor's forward); its trajectory is the failure-free run's;
 - `checkfree`: lost stages rebuilt as `protocols.checkfree.plan_recovery` plans them (CheckFree+ off);
@@ -53,9 +53,7 @@ COPY_REFRESH_STEPS = 10
 MODES = {
     "smoke": (Setup(seq_len=32, val_batches=1), 6, 1, 20.0, 3, 2, 3),
     "quick": (Setup(), 48, 2, 7.0, 10, 4, 3),
-    # the target deep in the falling part of training (at 60 steps the curve still rose and fell by more
-    # than failures cost), 16 validation batches, rates scaled to the same expected failures per run
-    "full": (Setup(val_batches=16), 200, 3, 1.8, 25, 10, 3),
+    "full": (Setup(), 60, 3, 6.0, 10, 4, 3),
 }
 
 
