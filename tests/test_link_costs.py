@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protocols.links import LinkCost
 from protocols.messages import NodeRecord, NodeState
-from swarmnode.node.planning import LOOPBACK_LINK_S, SwarmRead, link_costs, plan_iteration
+from swarmnode.node.planning import LOOPBACK_LINK_S, SwarmRead, link_costs, plan_iteration, quantised
 from swarmnode.records import PeerRecord
 from swarmnode.runspec import RunSpec
 
@@ -45,8 +45,8 @@ def visits(snapshot: SwarmRead, peer: str) -> int:
 def test_costs_come_from_either_end_of_a_link() -> None:
     peers = ["d1", "d2", "s1near", "s1far", "s2"]
     cost = link_costs(swarm(0.5), peers)
-    assert cost(0, 3) == cost(3, 0) == 0.5  # d1 measured it, and s1far too
-    assert cost(1, 3) == 0.5 and cost(3, 1) == 0.5  # d2 did not: s1far's measure stands for both ways
+    assert cost(0, 3) == cost(3, 0) == quantised(0.5)  # d1 measured it, and s1far too
+    assert cost(1, 3) == cost(3, 1) == quantised(0.5)  # d2 did not: s1far's measure stands for both ways
     assert cost(0, 2) == LOOPBACK_LINK_S  # nobody measured it
 
 

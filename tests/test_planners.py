@@ -114,3 +114,30 @@ def test_a_plan_of_more_data_nodes_than_a_forward_can_name_names_nobody() -> Non
     )
     [planned] = plan_iteration(read, "d00", RunSpec(microbatches=1, checkfree_plus=False), 0, 1024)
     assert planned.cohort == planned.senders == ()  # the stage nodes fall back to the tick before
+
+
+def test_reads_a_moment_apart_plan_alike() -> None:
+    # two data nodes read the records a second apart: the throughputs they see differ by a few percent,
+    # and so did their plans (a stage node then waited for a data node only the other's plan sent there)
+    spec = RunSpec(stages=STAGES, microbatches=2, skip_ratio=0.34, checkfree_plus=False)
+
+    def read(jitter: float) -> SwarmRead:
+        stages = {0: ["d1", "d2"]} | {k: [f"s{k}r{r}" for r in range(2)] for k in range(1, STAGES + 1)}
+        return SwarmRead(
+            {
+                k: [
+                    PeerRecord(
+                        p,
+                        NodeRecord(NodeState.ONLINE, k, 0, 0, throughput=1024 * 1.1 ** (20 + i) * jitter),
+                        0.0,
+                    )
+                    for i, p in enumerate(peers)
+                ]
+                for k, peers in stages.items()
+            }
+        )
+
+    for iteration in range(4):
+        assert plan_iteration(read(0.97), "d1", spec, iteration, 1024) == plan_iteration(
+            read(1.03), "d1", spec, iteration, 1024
+        )

@@ -21,6 +21,7 @@ every step instead of splitting a fixed batch into noisier updates.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import statistics
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -49,6 +50,7 @@ REBUILD_WAIT_S = 180.0  # how long a data node of a run that skips nothing waits
 
 LOOPBACK_LINK_S = 0.002  # one activation hop on loopback, where no node measured the link (`link_costs`)
 DEFAULT_FORWARD_S = 0.05
+COST_GRAIN = 1.1  # plans cost hops and compute in steps of 10% (`quantised`)
 
 
 @dataclass(frozen=True)
@@ -262,9 +264,18 @@ def link_costs(read: SwarmRead, peers: Sequence[str]) -> Callable[[int, int], fl
     def cost(a: int, b: int) -> float:
         there, back = measured.get((peers[a], peers[b])), measured.get((peers[b], peers[a]))
         known = there if there is not None else back
-        return LOOPBACK_LINK_S if known is None else max(known, LOOPBACK_LINK_S)
+        return LOOPBACK_LINK_S if known is None else quantised(max(known, LOOPBACK_LINK_S))
 
     return cost
+
+
+def quantised(seconds: float) -> float:
+    """`seconds` rounded to a power of `COST_GRAIN`. Data nodes plan one iteration apart, each from its own
+    read of the records, whose measured costs drift between reads; the scheduler then often chose other
+    paths, and a stage node waited for a data node that another's plan sent there and its own did not
+    (`PlannedMicrobatch.senders`): about a second each time on the emulated WAN. Rounded, reads a moment
+    apart give one plan, except when a cost crosses a step."""
+    return COST_GRAIN ** round(math.log(seconds, COST_GRAIN))
 
 
 def stage_forward_seconds(members: Sequence[PeerRecord | None], tokens: int) -> list[float]:
@@ -274,6 +285,6 @@ def stage_forward_seconds(members: Sequence[PeerRecord | None], tokens: int) -> 
     measured and its unmeasured partner were often more than `EVEN_WITHIN` apart, and the first ticks'
     deal of microbatches between replicas, and with it the model, depended on which measured first."""
     rates = [m.record.throughput if m is not None else 0.0 for m in members]
-    measured = [tokens / rate for rate in rates if rate > 0]
+    measured = [quantised(tokens / rate) for rate in rates if rate > 0]
     unknown = statistics.median(measured) if measured else DEFAULT_FORWARD_S
-    return [tokens / rate if rate > 0 else unknown for rate in rates]
+    return [quantised(tokens / rate) if rate > 0 else unknown for rate in rates]
