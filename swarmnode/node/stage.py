@@ -105,8 +105,8 @@ class StageNode(Node):
             raise Rejected(ErrorCode.BUSY, f"{len(self.book)} microbatches held or queued here")
         # a node is visited at most once per microbatch: a larger count is forged, and would stall steps
         expected = min(message.visits[message.hop], self._most_per_data_node()) if message.visits else 0
-        # whose work the plan sends here this tick: the step waits for them (for at most `await_s`); only
-        # online data nodes count, so forged names hold nothing
+        # whose work the plan sends here this tick: the step waits for them (until their records show the
+        # tick done, at most `await_s`); names of data nodes not online in this node's view are dropped
         senders = message.senders_here()
         if senders is not None:
             senders &= {*self.view().online(0), key.origin}
