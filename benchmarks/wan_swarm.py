@@ -23,7 +23,7 @@ time, and live within 25% of simulated.
     python benchmarks/wan_swarm.py                          # 6 stages x 1, 2 data nodes, 40 steps, seed 0
     python benchmarks/wan_swarm.py --seeds 0,1 --replicas 2 --json out.json --markdown out.md
 
-How long it takes: a run starts in about 20 s and then trains at 1.3-2 s a step on these links: 1.5-2.5
+How long it takes: a run starts in about 25 s and then trains at 1.3-2 s a step on these links: 1.5-2.5
 minutes a run, the default's three runs about 6 minutes on two cores (session 11, load 3-9).
 """
 
