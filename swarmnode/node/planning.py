@@ -7,9 +7,9 @@ data node's plan sent there and its own did not (`PlannedMicrobatch.senders`, `S
 no online node are left out of the view, so in a run that skips, paths skip past a lost stage while it is
 being rebuilt; a run with skip ratio 0 waits for the rebuild instead (`RebuildWait`, bounded) and keeps every
 path in stage order (the scheduler then only picks replicas); one that skips also lets SkipPipe reorder
-stages. A run whose `planner` is `random_skips` skips as SkipPipe's paper's baseline does instead: a random
-balanced choice of stages per microbatch, in stage order, blind to collisions (the replicas then dealt out
-as in every plan).
+stages. A run whose `planner` is
+`random_skips` skips as SkipPipe's paper's baseline does instead: a random balanced choice of stages per
+microbatch, in stage order, blind to collisions (the replicas then dealt out as in every plan).
 CheckFree+ swaps are not the scheduler's choice: they are fixed by the iteration and the microbatch
 (`protocols.checkfree.swaps_edge_pairs`), so every data node and replica sees both orders evenly, whatever
 the timing.
@@ -172,7 +172,7 @@ def plan_iteration(
     )
     seed = spec.seed * 1_000_003 + iteration
     try:
-        if spec.planner == "random_skips":  # a run spec has it only with a skip ratio above 0
+        if spec.planner == "random_skips" and skipping:
             plan = skips_without_collision_awareness(view, rules, seed)
         else:
             plan = schedule(view, rules, seed=seed, restarts=2, rounds=60)
@@ -264,8 +264,7 @@ def link_costs(read: SwarmRead, peers: Sequence[str]) -> Callable[[int, int], fl
     def cost(a: int, b: int) -> float:
         there, back = measured.get((peers[a], peers[b])), measured.get((peers[b], peers[a]))
         known = there if there is not None else back
-        # rounded, then floored: a link measured at loopback speed costs what an unmeasured one does
-        return LOOPBACK_LINK_S if known is None else max(quantised(known), LOOPBACK_LINK_S)
+        return LOOPBACK_LINK_S if known is None else quantised(max(known, LOOPBACK_LINK_S))
 
     return cost
 
