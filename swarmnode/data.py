@@ -179,12 +179,12 @@ def batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless random (inputs, targets) int64 batches of shape (batch_size, seq_len), targets shifted by one.
 
-    Window starts are drawn uniformly by a generator made from `seed` alone, so a seed fixes the stream.
+    Window starts are drawn uniformly by a generator made from `seed` alone, so a seed fixes the stream. The
+    shape is checked here, not at the first batch drawn: a shard too small for one batch is refused at start.
     """
     high = _check_windows(tokens, batch_size, seq_len)
     rng = np.random.default_rng(seed)
-    while True:
-        yield _windows(tokens, rng.integers(0, high, size=batch_size), seq_len)
+    return (_windows(tokens, rng.integers(0, high, size=batch_size), seq_len) for _ in itertools.count())
 
 
 def validation_set(

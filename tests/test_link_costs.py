@@ -48,6 +48,8 @@ def test_costs_come_from_either_end_of_a_link() -> None:
     assert cost(0, 3) == cost(3, 0) == quantised(0.5)  # d1 measured it, and s1far too
     assert cost(1, 3) == cost(3, 1) == quantised(0.5)  # d2 did not: s1far's measure stands for both ways
     assert cost(0, 2) == LOOPBACK_LINK_S  # nobody measured it
+    fast = link_costs(swarm(0.0), peers)  # a link timed at 0 s (coarse clock) costs what loopback does
+    assert fast(0, 3) == fast(3, 0) == LOOPBACK_LINK_S
 
 
 def test_a_far_replica_gets_fewer_microbatches() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -94,6 +95,29 @@ def test_a_data_node_with_another_tokenizer_is_refused_in_one_line(
     assert data.wait_exit(90) == 2
     errors = [line for line in data.stderr_tail(400).splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "is not the run's" in errors[0] and "--tokenizer" in errors[0]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_stage_the_run_lacks_or_a_taken_metrics_port_is_one_line_and_nothing_else(
+    swarm: LocalTestSwarm,
+) -> None:
+    """Errors the volunteer can fix are one line (exit 2); a fault elsewhere is no longer dressed up as a
+    usage error (a planner bug once printed "Usage: ... Error: math domain error")."""
+    stages = swarm.bootstrap(steps=2).events("bootstrap")[0]["run"]["stages"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        nodes = {
+            f"stage {stages + 1} does not exist": swarm.join(stages + 1),
+            f"cannot serve metrics on 127.0.0.1:{port}": swarm.join(1, "--metrics-port", str(port)),
+        }
+        for words, node in nodes.items():
+            assert node.wait_exit(90) == 2, node.stderr_tail()
+            tail = node.stderr_tail(400)
+            errors = [line for line in tail.splitlines() if line.startswith("Error:")]
+            assert len(errors) == 1 and words in errors[0] and "Traceback" not in tail, tail
 
 
 def test_short_data_names_the_file_and_the_split(tmp_path: Path) -> None:

@@ -405,8 +405,9 @@ def join(
     """Run one daemon serving a stage of the run the initial peers belong to."""
     from swarmnode.data import DataError
     from swarmnode.dht import DHTUnavailable, RunNotFound
-    from swarmnode.node.run import JoinOptions, run_join
+    from swarmnode.node.run import JoinOptions, JoinRefused, run_join
     from swarmnode.node.seed import SeedError
+    from swarmnode.precision import PrecisionError
 
     if stage is None and not standby:
         raise click.UsageError("Missing option '--stage' (or give --standby).")
@@ -449,7 +450,7 @@ def join(
         code = _run_async(run_join(options))
     except (RunVersionMismatch, SeedError) as error:
         raise click.ClickException(str(error)) from None
-    except (ValueError, DataError) as error:
+    except (JoinRefused, PrecisionError, DataError) as error:
         raise click.UsageError(str(error)) from None
     except RunNotFound as error:
         raise click.ClickException(f"{error} (check --run-id and --initial-peers)") from None

@@ -264,13 +264,15 @@ def link_costs(read: SwarmRead, peers: Sequence[str]) -> Callable[[int, int], fl
     def cost(a: int, b: int) -> float:
         there, back = measured.get((peers[a], peers[b])), measured.get((peers[b], peers[a]))
         known = there if there is not None else back
-        return LOOPBACK_LINK_S if known is None else quantised(max(known, LOOPBACK_LINK_S))
+        if known is None or known <= LOOPBACK_LINK_S:  # unmeasured, or timed at 0 s by a coarse clock
+            return LOOPBACK_LINK_S
+        return max(quantised(known), LOOPBACK_LINK_S)
 
     return cost
 
 
 def quantised(seconds: float) -> float:
-    """`seconds` rounded to a power of `COST_GRAIN`. Data nodes plan one iteration apart, each from its own
+    """`seconds` (> 0) rounded to a power of `COST_GRAIN`. Data nodes plan one iteration apart, each from its own
     read of the records, whose measured costs drift between reads; the scheduler then often chose other
     paths, and a stage node waited for a data node that another's plan sent there and its own did not
     (`PlannedMicrobatch.senders`): about a second each time on the emulated WAN. Rounded, reads a moment

@@ -43,6 +43,11 @@ DHT_CHECK_S = 1.0  # how often a daemon checks that its DHT process still runs
 CLAIM_SETTLE_S = 0.5  # DHT stores take ~10-25 ms on loopback; half a second covers a loaded machine
 
 
+class JoinRefused(Exception):
+    """The daemon cannot serve as asked (a stage the run lacks, a metrics port taken, data too small for
+    its shard): the volunteer's to fix, told in one line. Any other error is a fault, shown in full."""
+
+
 def _warm_torch() -> None:
     """Pay torch's lazy imports (the first optimizer pulls in torch._dynamo, about a second) while the DHT
     starts, instead of after the stage is chosen, where they would delay a recovery."""
@@ -158,7 +163,9 @@ async def run_join(options: JoinOptions) -> int:
             stage = await claim_stage(dht, spec) if options.stage is None else options.stage
         emit("joining", phase="stage", stage=stage, seconds=round(time.monotonic() - started, 3))
         if not 0 <= stage <= spec.stages:
-            raise ValueError(f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}")
+            raise JoinRefused(
+                f"stage {stage} does not exist: run {spec.run_id!r} has stages 0..{spec.stages}"
+            )
         next_stage: int | None = stage
         while next_stage is not None:
             if next_stage == 0:  # the run's tokenizer: the node's own, cached, or fetched from a peer
@@ -253,7 +260,7 @@ def _serve_metrics(options: JoinOptions) -> DaemonMetrics | None:
         port = metrics.serve(options.metrics_host, options.metrics_port)
     except OSError as error:
         where = f"{options.metrics_host}:{options.metrics_port}"
-        raise ValueError(
+        raise JoinRefused(
             f"--metrics-port: cannot serve metrics on {where}: {error.strerror or error}"
         ) from None
     listen(metrics.on_event)
@@ -301,7 +308,10 @@ def _construct(context: NodeContext, options: JoinOptions, stage: int) -> Node:
         corpus = load_corpus(spec.source, options.tokenizer, spec.vocab_size)
         check_run_data(corpus, spec.source, spec.tokenizer_digest, spec.vocab_size)
         check_splits(corpus, spec.seq_len, str(spec.source))
-        return DataNode(context, corpus, options.shard)
+        try:
+            return DataNode(context, corpus, options.shard)
+        except ValueError as error:  # the shard's tokens or the batch shape (`data.batches`)
+            raise JoinRefused(f"{spec.source}: {error}") from None
     return StageNode(context, stage, rebalance=options.rebalance)
 
 
