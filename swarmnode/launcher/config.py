@@ -52,6 +52,7 @@ class SwarmConfig:
     placement: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     command: tuple[str, ...] = (sys.executable, "-m", "swarmnode")
     observe: bool = True
+    zygote: bool = True  # fork the daemons from one process that has done their imports (`zygote_server`)
 
     @property
     def peers_file(self) -> Path:

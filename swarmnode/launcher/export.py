@@ -16,18 +16,19 @@ from typing import Any
 from swarmnode.event_schema import Exported, parse_line
 from swarmnode.launcher.config import SwarmConfig
 from swarmnode.launcher.procs import ChildProcess, StopSignals
+from swarmnode.launcher.zygote import Zygote
 
 EXPORT_TIMEOUT_S = 300.0  # the exporter's start, the transfers, the write and the evaluation
 POLL_S = 0.2
 
 
 def export_model(
-    config: SwarmConfig, logs: Path, env: Mapping[str, str], stop: StopSignals
+    config: SwarmConfig, logs: Path, env: Mapping[str, str], stop: StopSignals, zygote: Zygote | None = None
 ) -> dict[str, Any]:
-    """Export the swarm's model to `config.model_dir`; the report's `model` entry (with an `error` instead of
-    the figures if the export failed, was stopped or ran out of time)."""
+    """Export the swarm's model to `config.model_dir` (forked from `zygote`, if given); the report's `model`
+    entry (with an `error` instead of the figures if the export failed, was stopped or ran out of time)."""
     entry: dict[str, Any] = {"path": str(config.model_dir)}
-    child = ChildProcess("export", config.export_argv(), logs, env)
+    child = ChildProcess("export", config.export_argv(), logs, env, zygote=zygote)
     deadline = time.monotonic() + EXPORT_TIMEOUT_S
     try:
         while child.poll() is None:

@@ -44,6 +44,7 @@ from swarmnode.launcher.observe import parse_snapshot
 from swarmnode.launcher.procs import ChildProcess, LineTail, StopSignals, stop_all
 from swarmnode.launcher.record import RecoveryRecord, RunRecord
 from swarmnode.launcher.result import RunOutcome, SwarmResult, write_results
+from swarmnode.launcher.zygote import Zygote
 
 TICK_S = 0.2  # supervision loop period
 BOOTSTRAP_TIMEOUT_S = 180.0  # the bootstrap's peers file must appear within this
@@ -70,6 +71,7 @@ class LocalSwarm:
         self._nodes: list[LaunchedNode] = []
         self._bootstrap: ChildProcess | None = None
         self._observer: ChildProcess | None = None
+        self._zygote: Zygote | None = None  # what the daemons are forked from (`zygote_server`)
         self._observer_tail: LineTail | None = None  # None once the observer has stopped
         self._snapshot: tuple[float, dict[int, StageCount]] | None = None
         self._respawns: list[tuple[float, LaunchedNode]] = []
@@ -101,12 +103,13 @@ class LocalSwarm:
 
     def _supervise(self, stop: StopSignals) -> tuple[RunOutcome, str]:
         config = self.config
+        self._zygote = self._start_zygote()
         failed = self._start_bootstrap(stop)
         if failed is not None:
             return failed
         if config.observe:
             argv = config.observer_argv(OBSERVE_INTERVAL_S)
-            self._observer = ChildProcess("observer", argv, self.logs, self._env)
+            self._observer = ChildProcess("observer", argv, self.logs, self._env, zygote=self._zygote)
             self._observer_tail = LineTail(self._observer.stdout_path)
         for index in range(config.data_nodes):
             self._spawn(f"data{index + 1}", 0, f"{index}/{config.data_nodes}")
@@ -164,8 +167,17 @@ class LocalSwarm:
     def _export(self, stop: StopSignals) -> None:
         """Export the final model while the swarm still runs; say how its loss compares to the swarm's."""
         self._display.event(f"exporting the model to {self.config.model_dir}")
-        self._model = export_model(self.config, self.logs, self._env, stop)
+        self._model = export_model(self.config, self.logs, self._env, stop, self._zygote)
         self._display.event(describe(self._model, self._record.val_loss))
+
+    def _start_zygote(self) -> Zygote | None:
+        """The zygote, importing while the bootstrap peer starts (which it does not serve: the bootstrap
+        imports no torch); None if the swarm runs another command than `python -m swarmnode`, or none is
+        wanted."""
+        command = self.config.command
+        if not self.config.zygote or len(command) != 3 or command[1:] != ("-m", "swarmnode"):
+            return None
+        return Zygote(self.logs, self._env, python=command[0])
 
     def _start_bootstrap(self, stop: StopSignals) -> tuple[RunOutcome, str] | None:
         self.peers_file.unlink(missing_ok=True)
@@ -203,7 +215,7 @@ class LocalSwarm:
         respawned one at `site`."""
         site = self.config.placement.get(name, site)
         argv = self.config.join_argv(stage, shard, site, standby, self.config.write_identity(name))
-        process = ChildProcess(name, argv, self.logs, self._env)
+        process = ChildProcess(name, argv, self.logs, self._env, zygote=self._zygote)
         tail = LineTail(process.stdout_path)
         initial = stage is not None
         self._nodes.append(LaunchedNode(process, stage, shard, tail, initial, site=site, standby=standby))
@@ -370,7 +382,11 @@ class LocalSwarm:
                     f"ending {running} process(es): SIGTERM, then SIGKILL after {STOP_GRACE_S:g} s"
                 )
         finally:
-            left = stop_all(children, STOP_GRACE_S, hurry=lambda: len(stop.received) > 1)
+            try:
+                left = stop_all(children, STOP_GRACE_S, hurry=lambda: len(stop.received) > 1)
+            finally:
+                if self._zygote is not None:
+                    self._zygote.close()
         for child in left:
             self._display.event(
                 f"warning: process group {child.pid} ({child.name}) still has running members"

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from swarmnode.launcher.zygote import ForkedProcess, Zygote, ZygoteError
 from swarmnode.procstat import proc_stat
 
 _PROC = Path("/proc")
@@ -34,7 +35,9 @@ GROUP_GRACE_S = 2.0  # a group whose leader is gone (or would not go) gets this 
 
 class ChildProcess:
     """One child process: `argv` run in a new session (in `cwd`, default ours), stdout to
-    `{log_dir}/{name}.out`, stderr to `.err`."""
+    `{log_dir}/{name}.out`, stderr to `.err`. With a `zygote`, a `swarmnode` command (argv starting with
+    `zygote.command`) is forked from it instead, its heavy imports already done; a fresh process if the
+    zygote cannot."""
 
     def __init__(
         self,
@@ -43,6 +46,7 @@ class ChildProcess:
         log_dir: Path,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        zygote: Zygote | None = None,
     ) -> None:
         self.name = name
         self.argv = tuple(argv)
@@ -50,8 +54,13 @@ class ChildProcess:
         self.stderr_path = log_dir / f"{name}.err"
         self.started_at = time.monotonic()
         self.removed_sockets: set[Path] = set()  # socket files `kill` removed for the group
+        forked = self._fork(zygote, env, cwd)
+        self._popen: subprocess.Popen[bytes] | ForkedProcess = forked or self._start(env, cwd)
+        self._group_gone = False
+
+    def _start(self, env: Mapping[str, str] | None, cwd: Path | None) -> subprocess.Popen[bytes]:
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
-            self._popen = subprocess.Popen(
+            return subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -60,7 +69,18 @@ class ChildProcess:
                 cwd=cwd,
                 start_new_session=True,
             )
-        self._group_gone = False
+
+    def _fork(
+        self, zygote: Zygote | None, env: Mapping[str, str] | None, cwd: Path | None
+    ) -> ForkedProcess | None:
+        if zygote is None or not zygote.alive or self.argv[: len(zygote.command)] != zygote.command:
+            return None
+        args = self.argv[len(zygote.command) :]
+        try:
+            environment = os.environ if env is None else env
+            return zygote.spawn(args, self.stdout_path, self.stderr_path, environment, cwd)
+        except ZygoteError:
+            return None
 
     @property
     def pid(self) -> int:

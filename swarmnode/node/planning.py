@@ -272,11 +272,11 @@ def link_costs(read: SwarmRead, peers: Sequence[str]) -> Callable[[int, int], fl
 
 
 def quantised(seconds: float) -> float:
-    """`seconds` (> 0) rounded to a power of `COST_GRAIN`. Data nodes plan one iteration apart, each from its own
-    read of the records, whose measured costs drift between reads; the scheduler then often chose other
+    """`seconds` (> 0) rounded to a power of `COST_GRAIN`. Data nodes plan one iteration apart, each from its
+    own read of the records, whose measured costs drift between reads; the scheduler then often chose other
     paths, and a stage node waited for a data node that another's plan sent there and its own did not
-    (`PlannedMicrobatch.senders`): about a second each time on the emulated WAN. Rounded, reads a moment
-    apart give one plan, except when a cost crosses a step."""
+    (`PlannedMicrobatch.senders`): about a second each time on the emulated WAN. Rounded, reads a moment apart
+    give one plan, except when a cost crosses a step."""
     return COST_GRAIN ** round(math.log(seconds, COST_GRAIN))
 
 
