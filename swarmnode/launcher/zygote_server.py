@@ -15,6 +15,7 @@ Stays single-threaded (nothing here starts a thread), so that a fork copies no l
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -97,6 +98,7 @@ def serve() -> None:
     with open(os.devnull, "wb") as null:
         os.dup2(null.fileno(), 1)
     _warm()
+    gc.freeze()  # the imports' objects, shared by every child: their collections skip them (and copy no page)
     _answer(answers, ready=os.getpid())
     pending = b""
     while True:
