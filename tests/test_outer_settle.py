@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import torch
 import uvloop
@@ -14,13 +15,15 @@ from hivemind.p2p import P2P, PeerID
 from torch import Tensor, nn
 from transport_harness import new_p2p
 
-from protocols.messages import AveragingRequest, Rpc, decode, encode
-from protocols.noloco import OuterConfig
+from protocols.messages import AveragingRequest, Pong, Rpc, decode, encode
+from protocols.noloco import OuterConfig, find_partner, pairing_seed
 from swarmnode.node.averaging import APPLY_LAG, OuterLoop
 from swarmnode.node.compute import ComputeQueue, Priority
+from swarmnode.node.liveness import answering
 from swarmnode.transport import Transport
 
 INNER_STEPS = 4
+RUN = "settle-test"
 
 
 @asynccontextmanager
@@ -44,7 +47,7 @@ async def two_replicas() -> AsyncIterator[tuple[OuterLoop, OuterLoop]]:
             outer = OuterLoop(
                 nn.Linear(8, 8),
                 OuterConfig(inner_steps=INNER_STEPS),
-                "settle-test",
+                RUN,
                 1,
                 p2p.peer_id.to_base58(),
                 transport,
@@ -52,6 +55,7 @@ async def two_replicas() -> AsyncIterator[tuple[OuterLoop, OuterLoop]]:
                 timeout_s=20.0,
             )
             transport.register(Rpc.AVERAGE, _serving(outer))
+            transport.register(Rpc.PING, _pong)
             await transport.start()
             loops.append(outer)
         yield loops[0], loops[1]
@@ -70,6 +74,10 @@ def _serving(outer: OuterLoop):  # type: ignore[no-untyped-def]
         return encode(reply), out
 
     return on_average
+
+
+async def _pong(peer: PeerID, meta: bytes, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
+    return encode(Pong(1)), []
 
 
 def _distance(a: OuterLoop, b: OuterLoop) -> float:
@@ -126,3 +134,59 @@ async def _idle_scenario() -> None:
 
 def test_an_idle_replica_applies_once_the_clock_has_passed_the_due_step() -> None:
     uvloop.run(asyncio.wait_for(_idle_scenario(), 60))
+
+
+async def _late_joiner_scenario() -> None:
+    async with two_replicas() as (a, b):
+        # `a` ran outer step 1 alone (the only replica at its boundary); `b` takes over a state at clock
+        # INNER_STEPS + 1, whose last outer step is 0 (a copy of `a` before its update, or rebuilt weights)
+        a.take_due(INNER_STEPS)
+        await a.run(1, [a.me], asyncio.get_running_loop().time)
+        b.resume_at(0, INNER_STEPS + 1)
+        assert b.outer_step == 1 and b.take_due(INNER_STEPS + 1) is None  # no round it could pair in
+        b.resume_at(3, INNER_STEPS + 1)
+        assert b.outer_step == 3  # a state further on keeps its own count
+        b.resume_at(1, INNER_STEPS + 1)
+        # at the next boundary both run outer step 2, and pair
+        clock = 2 * INNER_STEPS
+        if a.take_due(clock) != 2 or b.take_due(clock) != 2:
+            raise AssertionError("outer step 2 is due at its boundary for both")
+        timer, before = asyncio.get_running_loop().time, _distance(a, b)
+        await asyncio.gather(a.run(2, [a.me, b.me], timer), b.run(2, [a.me, b.me], timer))
+        due = clock + APPLY_LAG
+        applied = await asyncio.gather(
+            *(o.compute.submit(Priority.STEP, lambda o=o: o.settle(due)) for o in (a, b))
+        )
+        assert applied == [True, True] and (a.outer_step, b.outer_step) == (2, 2)
+        assert _distance(a, b) < 0.5 * before  # they paired
+
+
+def test_a_replica_that_joins_after_a_boundary_owes_no_round_and_pairs_at_the_next() -> None:
+    uvloop.run(asyncio.wait_for(_late_joiner_scenario(), 60))
+
+
+async def _gone_replica_scenario() -> None:
+    async with two_replicas() as (a, b):
+        gone = await new_p2p()  # a third replica, whose record a view may still hold after it is gone
+        gone_id = gone.peer_id.to_base58()
+        await gone.shutdown()
+        replicas = sorted([a.me, b.me, gone_id])
+        # an outer step whose matching, drawn among all three, pairs the gone replica with `a` or `b`:
+        # without asking, that one fails to reach it (or waits for it until the round times out) and steps
+        # alone
+        k = next(k for k in range(1, 100) if find_partner(gone_id, replicas, pairing_seed(RUN, 1, k)))
+        timer, before = asyncio.get_running_loop().time, _distance(a, b)
+        rounds = []
+        for outer in (a, b):
+            if outer.take_due(k * INNER_STEPS) != k:
+                raise AssertionError(f"outer step {k} is due at its boundary")
+            live = partial(answering, outer.transport, stage=1)
+            rounds.append(outer.run(k, replicas, timer, live))
+        await asyncio.gather(*rounds)
+        due = k * INNER_STEPS + APPLY_LAG
+        await asyncio.gather(*(o.compute.submit(Priority.STEP, lambda o=o: o.settle(due)) for o in (a, b)))
+        assert _distance(a, b) < 0.5 * before  # they paired
+
+
+def test_a_round_is_matched_among_the_replicas_that_answer() -> None:
+    uvloop.run(asyncio.wait_for(_gone_replica_scenario(), 60))

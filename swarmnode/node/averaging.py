@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -107,14 +107,29 @@ class OuterLoop:
                 self._apply_at = step + APPLY_LAG
         return outer
 
-    def resume_at(self, outer_step: int) -> None:
-        """This node took over a replica's state at `outer_step`: the outer steps up to it are done."""
-        self.outer_step = self._last_round = outer_step
+    def resume_at(self, outer_step: int, clock: int) -> None:
+        """This node took over a state (a replica's, whose last outer step is `outer_step`, or a rebuilt
+        one) at swarm clock `clock`: the outer steps up to it, and every one whose boundary the clock has
+        passed, count as done. Those rounds were matched among the replicas online before this node, so a
+        round run now waits in vain for a partner that has moved on (a replacement that ran one stalled the
+        swarm's steps twice by `SETTLE_WAIT_S`, and itself for a round's timeout)."""
+        self.outer_step = self._last_round = max(outer_step, self.config.outer_step_of(clock))
 
-    async def run(self, outer: int, replicas: list[str], clock: Callable[[], float]) -> None:
-        """Outer step `outer` (from `take_due`): pair, exchange, compute the update (applied by `settle`)."""
+    async def run(
+        self,
+        outer: int,
+        replicas: list[str],
+        clock: Callable[[], float],
+        answering: Callable[[list[str]], Awaitable[list[str]]] | None = None,
+    ) -> None:
+        """Outer step `outer` (from `take_due`): pair, exchange, compute the update (applied by `settle`).
+        `answering`, if given, keeps the other replicas that answer now: the matching is drawn among them
+        once theta is copied, so that a replica whose record outlives it (a view remembers a peer for a
+        while) is no one's partner, and the replicas that answer draw one matching."""
         try:
             self._theta_copy = await self.compute.submit(Priority.STEP, lambda: self._copy_theta(outer))
+            if answering is not None:
+                replicas = [*await answering([p for p in replicas if p != self.me]), self.me]
             self._delivered.clear()
             rnd = PairingRound(
                 outer_step=outer,

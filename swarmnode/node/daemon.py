@@ -14,6 +14,7 @@ import random
 import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
+from functools import partial
 
 from torch import Tensor
 
@@ -32,6 +33,7 @@ from swarmnode.node.compute import ComputeQueue
 from swarmnode.node.context import BAN_SECONDS, NodeContext
 from swarmnode.node.events import emit
 from swarmnode.node.greetings import Greetings
+from swarmnode.node.liveness import answering
 from swarmnode.node.planning import RememberedView, SwarmRead
 from swarmnode.node.router import Router
 from swarmnode.node.serving import StateServer
@@ -285,7 +287,7 @@ class Node(ABC):
         checked = self.check_replica(header, received)
         state.load_replica_state(self.piece, self.optimizer, checked)
         self.outer.phi, self.outer.delta = checked.phi, checked.delta
-        self.outer.resume_at(header.outer_step)
+        self.outer.resume_at(header.outer_step, header.step)
         self.optimizer.step_count = header.step
         self.optimizer.last_grad_norm = header.grad_norm
         self.optimizer.lr_factor = replica_lr_factor(header.lr_factor)
@@ -298,6 +300,7 @@ class Node(ABC):
             self.optimizer.reset(plan.lr_factor)
         self.optimizer.step_count = step
         self.outer.phi, self.outer.delta = state.weights(self.piece), None
+        self.outer.resume_at(0, step)
 
     async def refresh_copies(self) -> None:
         """CheckFree+: refresh this node's copies of E / E' from a live data node."""
@@ -354,7 +357,8 @@ class Node(ABC):
         outer = self.outer.take_due(self.optimizer.step_count)
         if outer is not None:
             replicas = [p for p in self.router.online(self.stage) if p != self.me]
-            self.spawn(self.outer.run(outer, [*replicas, self.me], time.monotonic), "noloco")
+            live = partial(answering, self.transport, stage=self.stage)
+            self.spawn(self.outer.run(outer, [*replicas, self.me], time.monotonic, live), "noloco")
 
     async def tick(self, clock: int) -> None:
         """The swarm clock reached `clock` (seen in a forward or a data node's record): the schedule moves
