@@ -22,11 +22,19 @@ once leaves stages idle at the start and end of every iteration), for the networ
 include time-slicing) and to per-process overhead. `load` is the 1-minute load average when the swarm run
 ended (the swarm itself adds 2-4): the machine is shared and figures move by 30-50% between runs.
 
+The default `swarmnode up` swarm (`--up-steps N`, N > 0): `up --calm --steps N` (2 data nodes, 3 stages x
+2 replicas, 8 daemons with 1 torch thread each) against the single-process trainer on the tiny preset's own
+batch (2 microbatches of 4 x 128 tokens a step), with 1 thread and with every usable core. Each data node
+sends its microbatches through every replica, so a swarm step is 4 single-process steps of tokens. `whole
+run` is the report's tokens/s (first to last step, the validation passes included); `steady` is tokens per
+step over the report's median iteration seconds. The single process's figures exclude its validation.
+
     python benchmarks/swarm_efficiency.py                  # tiny and llama-124m (narrowed), M = 1 and 4
     python benchmarks/swarm_efficiency.py --cases tiny --microbatches 1,2,4,8 --json out.json
+    python benchmarks/swarm_efficiency.py --cases none --up-steps 100
 
 Takes three to six minutes on two cores with M = 1 and 4 (each swarm needs 20-40 s to start); M = 8 for
-both cases adds about six more.
+both cases adds about six more; `--up-steps 100` about two.
 """
 
 from __future__ import annotations
@@ -49,9 +57,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from swarm_harness import LocalTestSwarm, poll, stage_peers  # noqa: E402
+from up_runs import GRACE_S, read_report, run_up  # noqa: E402
 
 from swarmnode import trainer  # noqa: E402
 from swarmnode.data import Corpus, load_corpus  # noqa: E402
+from swarmnode.launcher.config import usable_cpus  # noqa: E402
 from swarmnode.presets import Preset, get_preset  # noqa: E402
 
 VOCAB = 4096  # the default stdlib tokenizer; the paper presets' 32,000 would only grow E and E'
@@ -174,12 +184,17 @@ def swarm_run(case: Case, microbatches: int, folder: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default="tiny,llama-124m", help=f"comma separated: {', '.join(CASES)}")
+    parser.add_argument(
+        "--cases", default="tiny,llama-124m", help=f"comma separated: {', '.join(CASES)} (or none)"
+    )
     parser.add_argument("--microbatches", default="1,4", help="values of M, comma separated")
     parser.add_argument("--baseline-threads", default="1", help="torch threads of the single-process runs")
+    parser.add_argument(
+        "--up-steps", type=int, default=0, help="also measure the default `swarmnode up` swarm over N steps"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
-    cases = [CASES[name] for name in args.cases.split(",")]
+    cases = [CASES[name] for name in args.cases.split(",") if name != "none"]
     ms = [int(m) for m in args.microbatches.split(",")]
     threads = [int(t) for t in args.baseline_threads.split(",")]
     corpus = load_corpus(None, None, VOCAB)
@@ -197,9 +212,70 @@ def main() -> None:
             rows.append(row)
             print(f"# {case.name} M={m}: done in {row['minutes']:.1f} min", file=sys.stderr, flush=True)
 
-    print(table(rows))
+    up = up_row(args.up_steps, corpus) if args.up_steps > 0 else None
+    if rows:
+        print(table(rows))
+    if up is not None:
+        print(up_table(up))
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1, default=list))
+        args.json.write_text(json.dumps({"cases": rows, "up": up}, indent=1, default=list))
+
+
+UP_CASE = Case("up", "tiny", 3, 4, 128, baseline_steps=12, swarm_steps=0)  # the tiny preset's own batch
+
+
+def up_row(steps: int, corpus: Corpus) -> dict[str, Any]:
+    """The default `swarmnode up` swarm, calm, over `steps` steps, and the single process on its batch."""
+    preset = get_preset("tiny")
+    single = {t: single_process(UP_CASE, preset.microbatches, t, corpus) for t in sorted({1, usable_cpus()})}
+    with TemporaryDirectory(prefix="swarm-efficiency-up-") as tmp:
+        out = Path(tmp) / "up"
+        command = [
+            sys.executable,
+            "-m",
+            "swarmnode",
+            "up",
+            "--calm",
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+        ]
+        code = run_up(command, "up", Path(tmp), 60.0 * steps + GRACE_S)
+        report = read_report(out / "report.json") or {}
+    if code != 0 or not report.get("tokens_per_second"):
+        raise SystemExit(f"swarmnode up failed (exit {code}): {report.get('message', 'no report')}")
+    settings = report["settings"]
+    pipelines_per_step = settings["data_nodes"] * settings["replicas"]
+    tokens_per_step = pipelines_per_step * preset.microbatches * preset.batch_size * preset.seq_len
+    return {
+        "steps": steps,
+        "daemons": settings["data_nodes"] + settings["replicas"] * settings["stages"],
+        "tokens_per_step": tokens_per_step,
+        "whole_run": report["tokens_per_second"],
+        "steady": tokens_per_step / report["iteration_seconds"]["median"],
+        "iteration_median_s": report["iteration_seconds"]["median"],
+        "wall_seconds": report["wall_seconds"],
+        "single": single,
+        "load": os.getloadavg()[0],
+    }
+
+
+def up_table(r: dict[str, Any]) -> str:
+    """Markdown: the default swarm's tokens/s over the single process's, with 1 thread and every core."""
+    head = (
+        "| swarm | steps | tokens/step | s/step (median) | swarm tok/s: whole run / steady "
+        "| single tok/s | whole run / single | steady / single | load |"
+    )
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for threads, single in r["single"].items():
+        lines.append(
+            f"| `up` default, {r['daemons']} daemons | {r['steps']} | {r['tokens_per_step']} "
+            f"| {r['iteration_median_s']:.3f} | {r['whole_run']:.0f} / {r['steady']:.0f} "
+            f"| {single:.0f} ({threads} thr) | {r['whole_run'] / single:.2f} | {r['steady'] / single:.2f} "
+            f"| {r['load']:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
