@@ -230,17 +230,8 @@ def up_row(steps: int, corpus: Corpus) -> dict[str, Any]:
     single = {t: single_process(UP_CASE, preset.microbatches, t, corpus) for t in sorted({1, usable_cpus()})}
     with TemporaryDirectory(prefix="swarm-efficiency-up-") as tmp:
         out = Path(tmp) / "up"
-        command = [
-            sys.executable,
-            "-m",
-            "swarmnode",
-            "up",
-            "--calm",
-            "--steps",
-            str(steps),
-            "--out",
-            str(out),
-        ]
+        up = ["up", "--calm", "--steps", str(steps), "--out", str(out)]
+        command = [sys.executable, "-m", "swarmnode", *up]
         code = run_up(command, "up", Path(tmp), 60.0 * steps + GRACE_S)
         report = read_report(out / "report.json") or {}
     if code != 0 or not report.get("tokens_per_second"):
