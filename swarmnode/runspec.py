@@ -116,6 +116,8 @@ class RunSpec(Schema):
     planner: str = field(default="skippipe", metadata=checked(one_of(frozenset(PLANNERS))))
     # a fresh swarm trains once this many data nodes are online (they start together)
     min_data_nodes: int = field(default=1, metadata=POSITIVE)
+    # ... and this many nodes of every transformer stage (the run's pipelines from its first step)
+    min_replicas: int = field(default=1, metadata=POSITIVE)
     node_memory: int = field(default=4, metadata=POSITIVE)
     checkfree_plus: bool = field(default=True, metadata=checked(flag))
     noloco_inner_steps: int = field(default=50, metadata=POSITIVE)

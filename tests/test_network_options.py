@@ -90,6 +90,7 @@ def test_up_places_nodes_by_the_placement_then_round_robin(
     assert bootstrap[bootstrap.index("--skip-ratio") + 1] == "0.34"
     assert bootstrap[bootstrap.index("--planner") + 1] == "random_skips" == config.settings()["planner"]
     assert bootstrap[bootstrap.index("--min-data-nodes") + 1] == str(config.data_nodes)  # they start together
+    assert bootstrap[bootstrap.index("--min-replicas") + 1] == str(config.replicas)  # with every pipeline
     argv = config.join_argv(1, None, config.placement["s1r1"])
     assert argv[argv.index("--network") + 1] == str(path.resolve()) and argv[argv.index("--site") + 1] == "B"
     assert "--network" not in SwarmConfig().join_argv(1, None, "B")  # no network: no sites

@@ -213,6 +213,16 @@ def test_a_fresh_swarm_starts_with_every_stage_and_its_data_nodes() -> None:
         RunSpec(run_id="r", min_data_nodes=0)
 
 
+def test_a_fresh_swarm_starts_with_the_replicas_it_asks_for() -> None:
+    spec = RunSpec(run_id="r", stages=3, min_replicas=2)
+    read = swarm_read(s0=("d",), s1=("a", "a2"), s2=("b",))
+    assert not_ready_to_start(read, "d", spec) == ["1 more of stage 2", "stage 3"]
+    full = swarm_read(s0=("d",), s1=("a", "a2"), s2=("b", "b2"), s3=("c", "c2", "c3"))
+    assert not_ready_to_start(full, "d", spec) == []
+    with pytest.raises(RunSpecError, match="min_replicas"):
+        RunSpec(run_id="r", min_replicas=0)
+
+
 def test_a_run_that_skips_nothing_waits_for_a_lost_stage() -> None:
     view = swarm_read(s0=("d",), s1=("a",), s3=("c",))
     assert lost_stages(view, RunSpec(run_id="r", stages=3)) == [2]

@@ -172,6 +172,13 @@ def _peers_or_fail(value: str | None) -> list[str]:
     help="A fresh swarm trains once this many data nodes are online, so they start together (default 1).",
 )
 @click.option(
+    "--min-replicas",
+    type=click.IntRange(min=1),
+    default=None,
+    help="... and this many nodes of every transformer stage, so that every replica trains from the first "
+    "step (default 1).",
+)
+@click.option(
     "--compression",
     type=click.Choice(["none", "float16"]),
     default=None,
@@ -212,6 +219,7 @@ def bootstrap(
     planner: str | None,
     noloco_every: int | None,
     min_data_nodes: int | None,
+    min_replicas: int | None,
     compression: str | None,
     dtype: str | None,
     init_from: Path | None,
@@ -248,6 +256,7 @@ def bootstrap(
             planner=planner,
             noloco_inner_steps=noloco_every,
             min_data_nodes=min_data_nodes,
+            min_replicas=min_replicas,
             compression=compression,
             dtype=dtype,
         ).with_data(data, text_column)

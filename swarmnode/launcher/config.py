@@ -99,7 +99,7 @@ class SwarmConfig:
             "--peers-file", str(self.peers_file), "--steps", str(self.steps), "--seed", str(self.seed),
             "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus", "--dtype", self.dtype,
             "--skip-ratio", str(self.skip_ratio), "--planner", self.planner,
-            "--min-data-nodes", str(self.data_nodes),
+            "--min-data-nodes", str(self.data_nodes), "--min-replicas", str(self.replicas),
             *self._log_options(),
         ]  # fmt: skip
 

@@ -5,6 +5,9 @@ at a time in priority order, FIFO within a priority: an optimizer step first (it
 nothing is held, and must run before newly arrived forward passes), then backward passes (they free
 activations), then forward passes, and last the snapshots that state transfers are served from (a peer's
 request never delays training).
+
+`busy_seconds` counts the compute thread's own time in the jobs (`compute_clock`), which the node announces
+as its throughput and the planners cost it by.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -26,17 +30,49 @@ class Priority(enum.IntEnum):
     SERVE = 3
 
 
+def compute_clock(device_type: str, threads: int) -> Callable[[], float]:
+    """The clock a compute thread times its jobs by: its own CPU time on a CPU computing in one thread, else
+    wall time. A local swarm time-slices many nodes on a few cores; timed by the wall, equal replicas of a
+    stage measured up to 1.5x apart as the scheduling fell, and the planners dealt them microbatches (and
+    the model its data) by the timing. A GPU's work is not the thread's CPU time, nor is that of several
+    torch threads."""
+    return time.thread_time if device_type == "cpu" and threads == 1 else time.perf_counter
+
+
+class ThroughputMeter:
+    """Tokens per busy second over the microbatches after the first `skip`, told once `skip` more are done
+    (0 before). The first ones are slower (allocation, caches), and a few microbatches' time is as much the
+    steps and copies that fell among them: counted from the start, equal replicas announced rates up to 1.5x
+    apart for a dozen steps, and the planners dealt them microbatches by the timing."""
+
+    def __init__(self, skip: int) -> None:
+        if skip < 1:
+            raise ValueError(f"skip must be at least 1, got {skip}")
+        self.skip = skip
+        self._from: tuple[int, int, float] | None = None  # served, tokens, busy seconds when measuring began
+
+    def rate(self, served: int, tokens: int, busy_seconds: float) -> float:
+        """The rate, given the node's totals so far: microbatches served, tokens computed, busy seconds."""
+        if self._from is None:
+            if served >= self.skip:
+                self._from = (served, tokens, busy_seconds)
+            return 0.0
+        tokens, busy = tokens - self._from[1], busy_seconds - self._from[2]
+        return tokens / busy if served - self._from[0] >= self.skip and tokens > 0 and busy > 0 else 0.0
+
+
 class ComputeQueue:
     """Serialises torch work onto one thread; `busy_seconds` feeds the throughput the node announces."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._queue: asyncio.PriorityQueue[tuple[int, int, Callable[[], Any], asyncio.Future[Any]]] = (
             asyncio.PriorityQueue()
         )
         self._order = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmnode-compute")
         self._worker: asyncio.Task[None] | None = None
-        self.busy_seconds = 0.0
+        self._clock = clock
+        self.busy_seconds = 0.0  # written by the compute thread only
 
     def start(self) -> None:
         self._worker = asyncio.get_running_loop().create_task(self._run(), name="compute-queue")
@@ -57,17 +93,22 @@ class ComputeQueue:
             _, _, fn, future = await self._queue.get()
             if future.cancelled():
                 continue
-            started = loop.time()
             try:
-                result = await loop.run_in_executor(self._executor, fn)
+                result = await loop.run_in_executor(self._executor, self._timed, fn)
             except Exception as error:  # handed to the awaiting caller
                 if not future.cancelled():
                     future.set_exception(error)
             else:
                 if not future.cancelled():
                     future.set_result(result)
-            finally:
-                self.busy_seconds += loop.time() - started
+
+    def _timed(self, fn: Callable[[], T]) -> T:
+        """On the compute thread: `fn()`, its time added to `busy_seconds`."""
+        started = self._clock()
+        try:
+            return fn()
+        finally:
+            self.busy_seconds += self._clock() - started
 
     async def close(self) -> None:
         if self._worker is not None:

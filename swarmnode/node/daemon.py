@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from functools import partial
 
+import torch
 from torch import Tensor
 
 from protocols.bounds import CLOCK_MARGIN
@@ -29,7 +30,7 @@ from protocols.transfers import StatePart, StateRequest, StateTransfer
 from swarmnode.node import recovery, seed, state
 from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.checks import Rejected, guarded, hop_tensor
-from swarmnode.node.compute import ComputeQueue
+from swarmnode.node.compute import ComputeQueue, ThroughputMeter, compute_clock
 from swarmnode.node.context import BAN_SECONDS, NodeContext
 from swarmnode.node.events import emit
 from swarmnode.node.greetings import Greetings
@@ -47,7 +48,7 @@ from swarmnode.transport import Compression, Reply
 logger = logging.getLogger(__name__)
 
 VIEW_GRACE_TTLS = 2  # a peer missing from the latest read is still routed to for this many record TTLs
-MEASURED_AFTER = 8  # microbatches served before a node announces its throughput (`measured_throughput`)
+MEASURED_AFTER = 8  # microbatches a node serves before it measures its throughput, and measures it over
 
 
 class Node(ABC):
@@ -72,13 +73,14 @@ class Node(ABC):
         self.piece = build_piece(self.model_config, stage, spec.stages, spec.seed).to(self.precision.device)
         schedule = Schedule(spec.lr, spec.warmup_steps, spec.total_steps)
         self.optimizer = StageOptimizer(self.piece, schedule, spec.max_grad_norm)
-        self.compute = ComputeQueue()
+        self.compute = ComputeQueue(compute_clock(self.precision.device.type, torch.get_num_threads()))
         self.state = NodeState.JOINING
         self.swarm_read = SwarmRead({})  # the latest read of the DHT
         self._remembered = RememberedView(VIEW_GRACE_TTLS * spec.record_ttl_s)
         self.microbatches_lost = 0
         self.microbatches_served = 0  # backward passes completed here
         self.tokens_processed = 0
+        self._throughput = ThroughputMeter(MEASURED_AFTER)
         self.last_loss: float | None = None
         self.recovery: tuple[str, float] | None = None
         self.rng = random.Random(f"{spec.seed}/{self.me}")
@@ -212,12 +214,10 @@ class Node(ABC):
             )
 
     def measured_throughput(self) -> float:
-        """Tokens a second of compute, as the planners cost this node by; 0 (not measured yet) until it has
-        served `MEASURED_AFTER` microbatches, whose first ones are slower (allocation, caches)."""
+        """Tokens a second of compute, as the planners cost this node by (`ThroughputMeter`); 0 until
+        measured."""
         busy = self.compute.busy_seconds
-        if self.microbatches_served < MEASURED_AFTER or busy <= 0:
-            return 0.0
-        return self.tokens_processed / busy
+        return self._throughput.rate(self.microbatches_served, self.tokens_processed, busy)
 
     def record(self) -> NodeRecord:
         return NodeRecord(

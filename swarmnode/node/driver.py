@@ -165,13 +165,15 @@ class DataNode(Node):
         await self.evaluate()
 
     async def _await_pipeline(self) -> None:
-        """A fresh swarm trains once every transformer stage has an online node in this node's view, and the
-        run's `min_data_nodes` data nodes are online. Paths planned while some stage was still starting skip
-        it, and a few such first steps (stage 2 fed raw embeddings, the head fed stage 2's output) left a
-        2x1 swarm stalled near 6.2 where runs without them reach 5.4. A data node that starts a few seconds
-        before another trains its first iterations alone, and how many depends on the timing: two runs of one
-        seed of a 2x1 swarm, the second data node 3 s late in both, went apart within six steps (5.209 and
-        5.013 at step 100). A stage lost later is waited for or skipped while rebuilt (`RebuildWait`)."""
+        """A fresh swarm trains once every transformer stage has the run's `min_replicas` online nodes in this
+        node's view (at least one), and its `min_data_nodes` data nodes are online. Paths planned while some
+        stage was still starting skip it, and a few such first steps (stage 2 fed raw embeddings, the head
+        fed stage 2's output) left a 2x1 swarm stalled near 6.2 where runs without them reach 5.4. A data
+        node that starts a few seconds before another trains its first iterations alone, and how many
+        depends on the timing: two runs of one seed of a 2x1 swarm, the second data node 3 s late in both,
+        went apart within six steps (5.209 and 5.013 at step 100); so did two runs of a 1x2 swarm whose
+        first step found one replica of a stage online in one and two in the other (2 microbatches in its
+        first step, or 4). A stage lost later is waited for or skipped while rebuilt (`RebuildWait`)."""
 
         waiting = not_ready_to_start(self.swarm_read, self.me, self.spec)
         if waiting:

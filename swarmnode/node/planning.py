@@ -226,11 +226,15 @@ def pipeline_width(read: SwarmRead, stages: Collection[int], most: int) -> int:
 
 
 def not_ready_to_start(read: SwarmRead, me: str, spec: RunSpec) -> list[str]:
-    """What a fresh swarm still lacks before data node `me` trains: stages with no online node, and data
-    nodes short of the run's `min_data_nodes` (empty: start)."""
-    stages = [f"stage {k}" for k in range(1, spec.stages + 1) if not read.online(k)]
+    """What a fresh swarm still lacks before data node `me` trains: nodes of each stage short of the run's
+    `min_replicas`, and data nodes short of its `min_data_nodes` (empty: start)."""
+    lacking = []
+    for k in range(1, spec.stages + 1):
+        short = spec.min_replicas - len(read.online(k))
+        if short > 0:
+            lacking.append(f"stage {k}" if short == spec.min_replicas else f"{short} more of stage {k}")
     short = spec.min_data_nodes - len({*read.online(0), me})
-    return stages + ([f"{short} more data node{'s' if short > 1 else ''}"] if short > 0 else [])
+    return lacking + ([f"{short} more data node{'s' if short > 1 else ''}"] if short > 0 else [])
 
 
 def lost_stages(read: SwarmRead, spec: RunSpec) -> list[int]:

@@ -10,6 +10,9 @@ an update never changes weights that a pending backward pass still needs.
 Tensors arrive and leave on the CPU in the run's wire dtypes (`precision.wire_dtypes`); the module runs on
 the node's device in its compute dtype (`precision.Precision`, float32 master weights). Under float16 each
 group's gradients are scaled by the loss scale of its first backward pass and unscaled at its update.
+
+A data node sums its iteration's gradients in an order of its own (`OrderFreeSum`): its microbatches come
+back in the order the network's timing gives.
 """
 
 from __future__ import annotations
@@ -160,6 +163,43 @@ class StageWorker:
         return norm
 
 
+class OrderFreeSum:
+    """The gradients of several backward passes, summed so that the order of the passes does not change the
+    result: each pass's gradients are computed alone and added into float64 sums, exact while the terms of a
+    sum lie within 2^29 of each other (a few float32 gradients of one parameter do), then rounded to float32
+    once. Summed in float32 in the order the microbatches came back, two runs of one seed parted in the last
+    bits within a few steps, and training grew that to tenths of a nat by step 100."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self._params = params
+        self._sums: list[Tensor | None] = [None] * len(params)
+
+    def backward(self, outputs: Tensor, grad: Tensor | None = None) -> None:
+        """`outputs.backward(grad)`, its parameter gradients added to the sums (the inputs' `.grad`, if they
+        require one, is set as usual)."""
+        for param in self._params:
+            param.grad = None
+        try:
+            outputs.backward(grad)
+            for i, param in enumerate(self._params):
+                if param.grad is not None:
+                    term = param.grad.double()
+                    total = self._sums[i]
+                    self._sums[i] = term if total is None else total.add_(term)
+        finally:
+            for param in self._params:
+                param.grad = None
+
+    def load(self) -> None:
+        """Point the parameters' `.grad` at the sums, rounded to their dtype, and start new sums."""
+        for param, total in zip(self._params, self._sums, strict=True):
+            param.grad = None if total is None else total.to(param.dtype)
+        self._sums = [None] * len(self._params)
+
+    def clear(self) -> None:
+        self._sums = [None] * len(self._params)
+
+
 class DataWorker:
     """Stage 0: embed a microbatch, compute its loss at the head, and finish its backward pass."""
 
@@ -177,6 +217,7 @@ class DataWorker:
         self.scaler = self.precision.scaler()  # constant during an iteration: a data node steps after each
         self._overflowed = False  # a microbatch of this iteration overflowed (float16)
         self._embedded: dict[MicrobatchKey, _Held] = {}
+        self._gradients = OrderFreeSum(list(piece.parameters()))
 
     @property
     def in_flight(self) -> int:
@@ -196,7 +237,7 @@ class DataWorker:
         inputs = hidden.detach().to(self.precision.device, torch.float32).requires_grad_(True)
         with self.precision.autocast():
             loss = self.piece.loss(inputs, targets.to(self.precision.device))
-        (loss.float() * (scale * self.scaler.scale)).backward()
+        self._gradients.backward(loss.float() * (scale * self.scaler.scale))
         try:
             grad = _unscaled_gradient(inputs, self.scaler.scale, "at the head")
         except Overflow:
@@ -215,7 +256,9 @@ class DataWorker:
         held = self._embedded.pop(key, None)
         if held is None:
             raise MissingActivations(key)
-        held.outputs.backward(grad.to(self.precision.device, torch.float32) * self.scaler.scale)
+        self._gradients.backward(
+            held.outputs, grad.to(self.precision.device, torch.float32) * self.scaler.scale
+        )
 
     def drop(self, key: MicrobatchKey) -> bool:
         return self._embedded.pop(key, None) is not None
@@ -225,6 +268,7 @@ class DataWorker:
         return None if held is None else tuple(held.outputs.shape)
 
     def step(self, grad_scale: float = 1.0, at: int | None = None) -> float:
+        self._gradients.load()
         norm = self.optimizer.step(grad_scale / self.scaler.scale, at)
         self.scaler.update(overflowed=self._overflowed or not math.isfinite(norm))
         self._overflowed = False
@@ -232,6 +276,7 @@ class DataWorker:
 
     def discard_gradients(self) -> None:
         """An iteration in which no microbatch completed: drop its partial gradients."""
+        self._gradients.clear()
         self.optimizer.adam.zero_grad(set_to_none=True)
         if self._overflowed:  # the overflow, not a lost swarm, emptied it: back off
             self.scaler.update(overflowed=True)

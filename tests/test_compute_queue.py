@@ -1,0 +1,46 @@
+"""`node.compute`: the compute thread's clock and the throughput a node announces."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from swarmnode.node.compute import ComputeQueue, Priority, ThroughputMeter, compute_clock
+
+
+def test_a_one_thread_cpu_node_times_its_jobs_by_its_own_cpu_time() -> None:
+    assert compute_clock("cpu", 1) is time.thread_time
+    assert compute_clock("cpu", 2) is time.perf_counter  # torch's other threads are not this one's time
+    assert compute_clock("cuda", 1) is time.perf_counter  # nor is a GPU's work
+
+
+def busy_after_a_wait(clock: object) -> float:
+    """A job that waits 0.2 s without computing (as a thread does while the machine runs others)."""
+
+    async def main() -> float:
+        queue = ComputeQueue(clock)  # type: ignore[arg-type]
+        queue.start()
+        try:
+            await queue.submit(Priority.FORWARD, lambda: time.sleep(0.2))
+            return queue.busy_seconds
+        finally:
+            await queue.close()
+
+    return asyncio.run(main())
+
+
+def test_the_thread_clock_leaves_out_time_the_thread_did_not_compute() -> None:
+    assert busy_after_a_wait(time.perf_counter) >= 0.2
+    assert busy_after_a_wait(time.thread_time) < 0.05
+
+
+def test_throughput_is_measured_after_the_first_microbatches_and_over_as_many_more() -> None:
+    meter = ThroughputMeter(skip=4)
+    assert meter.rate(served=3, tokens=300, busy_seconds=9.0) == 0.0  # warming up
+    assert meter.rate(served=4, tokens=400, busy_seconds=10.0) == 0.0  # measuring begins here
+    assert meter.rate(served=7, tokens=700, busy_seconds=11.0) == 0.0  # three of four
+    assert meter.rate(served=8, tokens=800, busy_seconds=12.0) == 200.0  # 400 tokens in 2 s: not 800 in 12
+    with pytest.raises(ValueError):
+        ThroughputMeter(skip=0)

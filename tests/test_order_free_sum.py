@@ -1,0 +1,52 @@
+"""`worker.OrderFreeSum`: a data node's gradients do not depend on the order its microbatches came back in."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from swarmnode.node.worker import OrderFreeSum
+
+
+def terms(count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randn(4096, generator=generator) * 10.0 ** (i - 2) for i in range(count)]
+
+
+def summed(order: tuple[int, ...], parts: list[torch.Tensor]) -> torch.Tensor:
+    param = nn.Parameter(torch.zeros(4096))
+    gradients = OrderFreeSum([param])
+    for i in order:
+        gradients.backward((param * parts[i]).sum())  # d/dparam = parts[i]
+    gradients.load()
+    assert param.grad is not None and param.grad.dtype == torch.float32
+    return param.grad
+
+
+def test_any_order_of_the_passes_gives_the_same_bits() -> None:
+    parts = terms(4)
+    orders = list(itertools.permutations(range(4)))
+    plain = {tuple(sum((parts[i] for i in order), torch.zeros(4096)).tolist()) for order in orders}
+    assert len(plain) > 1  # summed in float32, the order shows in the last bits
+    results = [summed(order, parts) for order in orders]
+    assert all(torch.equal(results[0], result) for result in results[1:])
+    exact = sum((p.double() for p in parts), torch.zeros(4096, dtype=torch.float64)).float()
+    assert torch.equal(results[0], exact)
+
+
+def test_inputs_keep_their_gradient_and_new_sums_start_after_a_load() -> None:
+    param = nn.Parameter(torch.ones(3))
+    gradients = OrderFreeSum([param])
+    inputs = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    gradients.backward((param * inputs).sum())
+    assert param.grad is None and torch.equal(inputs.grad, torch.ones(3))  # held in the sums, not in .grad
+    gradients.load()
+    assert torch.equal(param.grad, torch.tensor([1.0, 2.0, 3.0]))
+    gradients.load()
+    assert param.grad is None  # nothing since the last load
+    gradients.backward((param * 2.0).sum())
+    gradients.clear()
+    gradients.load()
+    assert param.grad is None
