@@ -308,6 +308,26 @@ def test_a_stage_keeps_one_gradient_buffer_and_one_update_per_group() -> None:
     assert worker.discard_gradients_except({("a", 5)}) == 1 and worker.gradient_groups == 0
 
 
+def test_a_groups_update_does_not_depend_on_the_order_of_its_backward_passes() -> None:
+    """Four microbatches of one group, their backward passes in two orders: the same weights to the bit."""
+    config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=8)
+    torch.manual_seed(1)
+    inputs = {k: torch.randn(2, 8, 32) for k in range(4)}
+    grads = {k: torch.randn(2, 8, 32) * 10.0**k for k in range(4)}
+    trained = []
+    for order in ((0, 1, 2, 3), (3, 1, 0, 2)):
+        torch.manual_seed(0)
+        module = build_stage(config, 1, 1)
+        worker = StageWorker(module, StageOptimizer(module, Schedule(1e-2, 0, 100), 1e9))
+        for k in range(4):
+            worker.forward(MicrobatchKey("a", 5, k), inputs[k], 0.0)
+        for k in order:
+            worker.backward(MicrobatchKey("a", 5, k), grads[k])
+        worker.step_group(("a", 5))
+        trained.append([p.detach().clone() for p in module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*trained, strict=True))
+
+
 def test_weights_and_optimizer_state_round_trip() -> None:
     donor, donor_opt = tiny_stage()
     donor(torch.randn(2, 4, 16)).sum().backward()

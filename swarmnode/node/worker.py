@@ -3,16 +3,16 @@
 Everything here runs on the compute thread (`node.compute`), one call at a time. Activations are kept
 between a microbatch's forward and backward pass, keyed by `(origin peer, iteration, microbatch)`, and
 dropped when the backward pass is done or the microbatch is aborted. A transformer stage keeps one gradient
-buffer per group (a data node's iteration): each backward pass accumulates into its group's buffer, and each
-group is one optimizer update (`protocols.stepbook`). The daemon steps only when no activation is held, so
+buffer per group (a data node's iteration): each backward pass adds into its group's sums, and each group is
+one optimizer update (`protocols.stepbook`). The daemon steps only when no activation is held, so
 an update never changes weights that a pending backward pass still needs.
 
 Tensors arrive and leave on the CPU in the run's wire dtypes (`precision.wire_dtypes`); the module runs on
 the node's device in its compute dtype (`precision.Precision`, float32 master weights). Under float16 each
 group's gradients are scaled by the loss scale of its first backward pass and unscaled at its update.
 
-A data node sums its iteration's gradients in an order of its own (`OrderFreeSum`): its microbatches come
-back in the order the network's timing gives.
+Gradients are summed so that the order of the backward passes does not matter (`OrderFreeSum`): microbatches
+come and go in the order the network's timing gives.
 """
 
 from __future__ import annotations
@@ -63,106 +63,6 @@ def _unscaled_gradient(inputs: Tensor, scale: float, key: object) -> Tensor:
     return grad
 
 
-class StageWorker:
-    """Forward and backward passes of one transformer stage, with its optimizer."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        optimizer: StageOptimizer,
-        precision: Precision | None = None,
-        wire: Wire | None = None,
-    ) -> None:
-        self.module = module
-        self.optimizer = optimizer
-        self.precision = precision or Precision()
-        self.wire = wire or Wire()
-        self.scaler = self.precision.scaler()
-        self._held: dict[MicrobatchKey, _Held] = {}
-        self._params = list(module.parameters())
-        self._grads: dict[Group, list[Tensor | None]] = {}  # each group's accumulated gradients
-        self._scales: dict[Group, float] = {}  # each group's loss scale (float16)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._held)
-
-    @property
-    def gradient_groups(self) -> int:
-        """Groups with gradients waiting for their update."""
-        return len(self._grads)
-
-    def forward(self, key: MicrobatchKey, hidden: Tensor, now: float) -> Tensor:
-        inputs = hidden.detach().to(self.precision.device, torch.float32).requires_grad_(True)
-        with self.precision.autocast():
-            outputs = self.module(inputs)
-        self._held[key] = _Held(inputs, outputs, now)
-        return _to_wire(outputs, self.wire.activations)
-
-    def evaluate(self, hidden: Tensor) -> Tensor:
-        """A validation forward pass: nothing held, no gradient."""
-        with torch.no_grad(), self.precision.autocast():
-            outputs = self.module(hidden.to(self.precision.device, torch.float32))
-        return _to_wire(outputs, self.wire.activations)
-
-    def backward(self, key: MicrobatchKey, grad: Tensor) -> Tensor:
-        """The backward pass of a held microbatch into its group's gradients; the gradient at its inputs.
-        Raises MissingActivations if nothing is held for it, Overflow if a float16 pass overflowed."""
-        held = self._held.pop(key, None)
-        if held is None:
-            raise MissingActivations(key)
-        scale = self._scales.setdefault(key.group, self.scaler.scale)
-        self._load_grads(key.group)
-        try:
-            held.outputs.backward(grad.to(self.precision.device, torch.float32) * scale)
-        finally:
-            self._grads[key.group] = [p.grad for p in self._params]
-            self._load_grads(None)
-        return _to_wire(_unscaled_gradient(held.inputs, scale, key), self.wire.gradients)
-
-    def _load_grads(self, group: Group | None) -> None:
-        """Point the parameters' `.grad` at `group`'s buffer (None: at nothing)."""
-        buffers = self._grads.get(group) if group is not None else None
-        for param, buffer in zip(self._params, buffers or [None] * len(self._params), strict=True):
-            param.grad = buffer
-
-    def drop(self, key: MicrobatchKey) -> bool:
-        """Forget a microbatch (aborted); True if it was held."""
-        return self._held.pop(key, None) is not None
-
-    def drop_all_except(self, live: Collection[MicrobatchKey]) -> int:
-        """Forget every microbatch not in `live` (its group expired, or closed while a drop was interrupted);
-        returns how many were dropped. On the compute thread, like every change of `_held`."""
-        stale = [key for key in self._held if key not in live]
-        for key in stale:
-            del self._held[key]
-        return len(stale)
-
-    def output_shape(self, key: MicrobatchKey) -> tuple[int, ...] | None:
-        held = self._held.get(key)
-        return None if held is None else tuple(held.outputs.shape)
-
-    def discard_gradients_except(self, groups: Collection[Group]) -> int:
-        """Drop the gradient buffers of every group not in `groups` (closed without an update: expired
-        before its backward pass was counted); returns how many were dropped."""
-        stale = [group for group in self._grads if group not in groups]
-        for group in stale:
-            del self._grads[group]
-            self._scales.pop(group, None)
-        return len(stale)
-
-    def step_group(self, group: Group, grad_scale: float = 1.0) -> float | None:
-        """One optimizer update with `group`'s gradients times `grad_scale`, at the learning rate of its
-        iteration; the gradient norm, or None if the group has no gradients here."""
-        if group not in self._grads:
-            return None
-        self._load_grads(group)
-        del self._grads[group]
-        norm = self.optimizer.step(grad_scale / self._scales.pop(group, 1.0), group[1])
-        self.scaler.update(overflowed=not math.isfinite(norm))
-        return norm
-
-
 class OrderFreeSum:
     """The gradients of several backward passes, summed so that the order of the passes does not change the
     result: each pass's gradients are computed alone and added into float64 sums, exact while the terms of a
@@ -198,6 +98,96 @@ class OrderFreeSum:
 
     def clear(self) -> None:
         self._sums = [None] * len(self._params)
+
+
+class StageWorker:
+    """Forward and backward passes of one transformer stage, with its optimizer."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: StageOptimizer,
+        precision: Precision | None = None,
+        wire: Wire | None = None,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.precision = precision or Precision()
+        self.wire = wire or Wire()
+        self.scaler = self.precision.scaler()
+        self._held: dict[MicrobatchKey, _Held] = {}
+        self._params = list(module.parameters())
+        self._grads: dict[Group, OrderFreeSum] = {}  # each group's accumulated gradients
+        self._scales: dict[Group, float] = {}  # each group's loss scale (float16)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._held)
+
+    @property
+    def gradient_groups(self) -> int:
+        """Groups with gradients waiting for their update."""
+        return len(self._grads)
+
+    def forward(self, key: MicrobatchKey, hidden: Tensor, now: float) -> Tensor:
+        inputs = hidden.detach().to(self.precision.device, torch.float32).requires_grad_(True)
+        with self.precision.autocast():
+            outputs = self.module(inputs)
+        self._held[key] = _Held(inputs, outputs, now)
+        return _to_wire(outputs, self.wire.activations)
+
+    def evaluate(self, hidden: Tensor) -> Tensor:
+        """A validation forward pass: nothing held, no gradient."""
+        with torch.no_grad(), self.precision.autocast():
+            outputs = self.module(hidden.to(self.precision.device, torch.float32))
+        return _to_wire(outputs, self.wire.activations)
+
+    def backward(self, key: MicrobatchKey, grad: Tensor) -> Tensor:
+        """The backward pass of a held microbatch into its group's gradients; the gradient at its inputs.
+        Raises MissingActivations if nothing is held for it, Overflow if a float16 pass overflowed."""
+        held = self._held.pop(key, None)
+        if held is None:
+            raise MissingActivations(key)
+        scale = self._scales.setdefault(key.group, self.scaler.scale)
+        gradients = self._grads.setdefault(key.group, OrderFreeSum(self._params))
+        gradients.backward(held.outputs, grad.to(self.precision.device, torch.float32) * scale)
+        return _to_wire(_unscaled_gradient(held.inputs, scale, key), self.wire.gradients)
+
+    def drop(self, key: MicrobatchKey) -> bool:
+        """Forget a microbatch (aborted); True if it was held."""
+        return self._held.pop(key, None) is not None
+
+    def drop_all_except(self, live: Collection[MicrobatchKey]) -> int:
+        """Forget every microbatch not in `live` (its group expired, or closed while a drop was interrupted);
+        returns how many were dropped. On the compute thread, like every change of `_held`."""
+        stale = [key for key in self._held if key not in live]
+        for key in stale:
+            del self._held[key]
+        return len(stale)
+
+    def output_shape(self, key: MicrobatchKey) -> tuple[int, ...] | None:
+        held = self._held.get(key)
+        return None if held is None else tuple(held.outputs.shape)
+
+    def discard_gradients_except(self, groups: Collection[Group]) -> int:
+        """Drop the gradient buffers of every group not in `groups` (closed without an update: expired
+        before its backward pass was counted); returns how many were dropped."""
+        stale = [group for group in self._grads if group not in groups]
+        for group in stale:
+            del self._grads[group]
+            self._scales.pop(group, None)
+        return len(stale)
+
+    def step_group(self, group: Group, grad_scale: float = 1.0) -> float | None:
+        """One optimizer update with `group`'s gradients times `grad_scale`, at the learning rate of its
+        iteration; the gradient norm, or None if the group has no gradients here."""
+        gradients = self._grads.pop(group, None)
+        if gradients is None:
+            return None
+        gradients.load()
+        norm = self.optimizer.step(grad_scale / self._scales.pop(group, 1.0), group[1])
+        self.scaler.update(overflowed=not math.isfinite(norm))
+        return norm
 
 
 class DataWorker:
