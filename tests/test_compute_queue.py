@@ -36,6 +36,22 @@ def test_the_thread_clock_leaves_out_time_the_thread_did_not_compute() -> None:
     assert busy_after_a_wait(time.thread_time) < 0.05
 
 
+def test_a_job_not_measured_leaves_busy_seconds_alone() -> None:
+    async def main() -> tuple[float, float]:
+        queue = ComputeQueue(time.perf_counter)
+        queue.start()
+        try:
+            await queue.submit(Priority.FORWARD, lambda: time.sleep(0.1), measured=False)  # a validation pass
+            before = queue.busy_seconds
+            await queue.submit(Priority.FORWARD, lambda: time.sleep(0.1))
+            return before, queue.busy_seconds
+        finally:
+            await queue.close()
+
+    before, after = asyncio.run(main())
+    assert before == 0.0 and after >= 0.1
+
+
 def test_throughput_is_measured_after_the_first_microbatches_and_over_as_many_more() -> None:
     meter = ThroughputMeter(skip=4)
     assert meter.rate(served=3, tokens=300, busy_seconds=9.0) == 0.0  # warming up

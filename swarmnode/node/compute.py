@@ -6,8 +6,8 @@ nothing is held, and must run before newly arrived forward passes), then backwar
 activations), then forward passes, and last the snapshots that state transfers are served from (a peer's
 request never delays training).
 
-`busy_seconds` counts the compute thread's own time in the jobs (`compute_clock`), which the node announces
-as its throughput and the planners cost it by.
+`busy_seconds` counts the compute thread's own time in the training jobs (`compute_clock`; validation passes
+are left out), which the node announces as its throughput and the planners cost it by.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class ComputeQueue:
     """Serialises torch work onto one thread; `busy_seconds` feeds the throughput the node announces."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._queue: asyncio.PriorityQueue[tuple[int, int, Callable[[], Any], asyncio.Future[Any]]] = (
+        self._queue: asyncio.PriorityQueue[tuple[int, int, Callable[[], Any], bool, asyncio.Future[Any]]] = (
             asyncio.PriorityQueue()
         )
         self._order = itertools.count()
@@ -81,20 +81,22 @@ class ComputeQueue:
     def depth(self) -> int:
         return self._queue.qsize()
 
-    async def submit(self, priority: Priority, fn: Callable[[], T]) -> T:
-        """Run `fn` on the compute thread after the queued tasks of higher or equal priority."""
+    async def submit(self, priority: Priority, fn: Callable[[], T], measured: bool = True) -> T:
+        """Run `fn` on the compute thread after the queued tasks of higher or equal priority; its time counts
+        in `busy_seconds` if `measured` (a validation pass does not: which replica serves one is chance, and
+        its time without tokens made that replica look slower)."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        await self._queue.put((int(priority), next(self._order), fn, future))
+        await self._queue.put((int(priority), next(self._order), fn, measured, future))
         return await future
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            _, _, fn, future = await self._queue.get()
+            _, _, fn, measured, future = await self._queue.get()
             if future.cancelled():
                 continue
             try:
-                result = await loop.run_in_executor(self._executor, self._timed, fn)
+                result = await loop.run_in_executor(self._executor, self._timed if measured else _untimed, fn)
             except Exception as error:  # handed to the awaiting caller
                 if not future.cancelled():
                     future.set_exception(error)
@@ -115,3 +117,7 @@ class ComputeQueue:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _untimed(fn: Callable[[], T]) -> T:
+    return fn()

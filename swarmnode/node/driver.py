@@ -252,10 +252,12 @@ class DataNode(Node):
         key = MicrobatchKey(self.me, machine.number, send.microbatch)
         now = time.monotonic()
         if machine.evaluation:
-            hidden = await self.compute.submit(Priority.FORWARD, lambda: self.piece.embed(inputs).detach())
+            hidden = await self.compute.submit(
+                Priority.FORWARD, lambda: self.piece.embed(inputs).detach(), measured=False
+            )
         else:
             hidden = await self.compute.submit(Priority.FORWARD, lambda: self.worker.embed(key, inputs, now))
-        self.tokens_processed += inputs.numel()
+            self.tokens_processed += inputs.numel()
         first = Forward(
             self.spec.run_id,
             machine.number,
@@ -316,7 +318,7 @@ class DataNode(Node):
         machine, targets = run.machine, run.targets[microbatch]
         if machine.evaluation:
             loss = await self.compute.submit(
-                Priority.FORWARD, partial(self.worker.eval_loss, hidden, targets)
+                Priority.FORWARD, partial(self.worker.eval_loss, hidden, targets), measured=False
             )
             await self._carry_out(run, machine.handle(LossComputed(microbatch, loss)))
             return

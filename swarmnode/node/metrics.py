@@ -59,7 +59,11 @@ class NodeGauges(Collector):
         yield _gauge("swarmnode_queue_depth", "Jobs waiting for the compute thread.", depth)
         rate = node.tokens_processed / busy if busy > 0 else 0.0
         yield _gauge("swarmnode_tokens_per_second", "Tokens per busy second of the compute thread.", rate)
-        yield _counter("swarmnode_tokens", "Tokens this node has computed on.", node.tokens_processed)
+        yield _counter(
+            "swarmnode_tokens",
+            "Tokens this node has trained on (validation passes left out).",
+            node.tokens_processed,
+        )
         served = "Microbatches whose backward pass this node completed."
         yield _counter("swarmnode_microbatches_served", served, node.microbatches_served)
         yield _counter(

@@ -182,7 +182,9 @@ class StageNode(Node):
 
     async def _evaluate(self, message: Forward, hidden: Tensor) -> None:
         """A validation microbatch: forward only, nothing held, no gradient, not tracked."""
-        output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.evaluate(hidden))
+        output = await self.compute.submit(
+            Priority.FORWARD, lambda: self.worker.evaluate(hidden), measured=False
+        )
         await self.router.forward(message, output)
 
     async def _on_backward(
