@@ -6,8 +6,12 @@ the last 3 evaluations, 4 steps apart: one evaluation is too noisy to be a targe
 stage fails with probability p in each iteration, drawn independently (the paper's failure model); the draws
 of a (seed, rate) are the same for every method, indexed by executed iteration. Methods:
 
-- `checkpointing`: a checkpoint every 10 steps (3 in smoke mode); a failure rolls the whole model back to
-  it (the steps since are trained again on the same batches);
+- `checkpointing`: a checkpoint every K steps; a failure rolls the whole model back to it (the steps since
+  are trained again on the same batches). The paper checkpoints the 500M model every 100 iterations at the
+  rates below; the full mode keeps that interval relative to its failure rates (K x rate scale = 100: K =
+  50), since checkpoints much more frequent than failures cost little (K = 10 at 2x the rates put
+  checkpointing first in five of the six comparisons); the quick mode checkpoints every 10 at 7x (70),
+  smoke every 3;
 - `redundant`: Bamboo-style redundant computation: a failure loses nothing, every iteration is slower (each
   stage also runs its successor's forward); its trajectory is the failure-free run's;
 - `checkfree`: lost stages rebuilt as `protocols.checkfree.plan_recovery` plans them (CheckFree+ off);
@@ -19,9 +23,10 @@ load of a shared machine changes) an iteration with the redundant forward and a 
 and restoring a checkpoint, each rebuild, each copy refresh. Wall-clock is expressed in plain iterations.
 What one process cannot measure is the start of a replacement node; it is
 added per failure event as `J` plain iterations, under two assumptions: the paper's (about 30 s to recover
-at 92 s per iteration: J = 0.33) and a loopback swarm of the tiny preset (about 6 s to start a replacement,
-benchmarks/recovery_time.py, at about 0.5 s per iteration, benchmarks/results/swarm_quality_session4.json:
-J = 12). Rates are the paper's per-iteration probabilities (0.0009, 0.002, 0.004 for 5%, 10%, 16% per hour)
+at 92 s per iteration: J = 0.33) and the default loopback swarm of the tiny preset (a replacement's first
+iteration through its stage 4.74 s after the kill on an idle machine,
+benchmarks/results/recovery_time_compare_idle_session13.json, at a median swarm step of 0.735 s: J = 6.5).
+Rates are the paper's per-iteration probabilities (0.0009, 0.002, 0.004 for 5%, 10%, 16% per hour)
 scaled up so that a run this short sees several failures.
 
     python benchmarks/repro/failure_wallclock.py --quick --json out.json --plot out.png
@@ -40,7 +45,7 @@ from _report import Row, cpu_seconds, result, table, write_json
 from _staged import Data, Setup, StagedModel, common_args, mean, mode_name
 
 PAPER_RATES = {"5%": 0.0009, "10%": 0.002, "16%": 0.004}
-JOIN_ITERATIONS = {"paper J=0.33": 30 / 92, "loopback swarm J=12": 12.0}
+JOIN_ITERATIONS = {"paper J=0.33": 30 / 92, "loopback swarm J=6.5": 6.5}
 METHODS = ("checkpointing", "redundant", "checkfree", "checkfree_plus")
 PAPER_HOURS = {  # 500M, hours to validation loss 2.85 (spec/checkfree.md)
     "checkpointing": (558.2, 621.7, 634.4),
@@ -53,7 +58,7 @@ COPY_REFRESH_STEPS = 10
 MODES = {
     "smoke": (Setup(seq_len=32, val_batches=1), 6, 1, 20.0, 3, 2, 3),
     "quick": (Setup(), 48, 2, 7.0, 10, 4, 3),
-    "full": (Setup(), 60, 3, 6.0, 10, 4, 3),
+    "full": (Setup(val_batches=16), 200, 3, 2.0, 50, 5, 3),
 }
 
 
