@@ -95,9 +95,10 @@ class OrderFreeSum:
         """Point the parameters' `.grad` at the sums, rounded to their dtype, and start new sums."""
         for param, total in zip(self._params, self._sums, strict=True):
             param.grad = None if total is None else total.to(param.dtype)
-        self._sums = [None] * len(self._params)
+        self.clear()
 
     def clear(self) -> None:
+        """Drop the sums."""
         self._sums = [None] * len(self._params)
 
 
