@@ -54,11 +54,16 @@ class Forward(_Hop):
 
     `cohort` (sorted) are the iteration's data nodes and `senders[i]` those whose work the plan sends
     through `path[i]` in this iteration, bit j standing for `cohort[j]` (0, or both empty: not known), so a
-    stage node knows whose work to wait for before it steps (`StepBook.take`)."""
+    stage node knows whose work to wait for before it steps (`StepBook.take`).
+
+    `weights_of` (evaluations only): the tick whose weights the validation pass measures, the data node's
+    next one; a stage node runs it once it has stepped every older tick, so what a validation at step N
+    measures does not depend on whether another data node's work of that tick was done before it came."""
 
     KIND: ClassVar[str] = "forward"
     cohort: tuple[str, ...] = field(default=(), metadata=checked(items(text(MAX_ID, 1), MAX_COHORT)))
     senders: tuple[int, ...] = field(default=(), metadata=checked(items(count(2**MAX_COHORT - 1), MAX_PATH)))
+    weights_of: int = field(default=0, metadata=checked(count()))
 
     def senders_here(self) -> frozenset[str] | None:
         """The data nodes whose work the plan sends through `path[hop]` in this iteration, or None."""
@@ -67,6 +72,8 @@ class Forward(_Hop):
 
     def _check(self) -> None:
         super()._check()
+        if self.weights_of and not self.evaluate:
+            raise LocalProtocolError("weights_of: only a validation pass measures the weights of a tick")
         if list(self.cohort) != sorted(set(self.cohort)):
             raise LocalProtocolError("cohort: not sorted, or a data node named twice")
         if not self.senders:

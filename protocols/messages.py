@@ -42,8 +42,9 @@ from protocols.links import MAX_LINK_COSTS, MAX_SITE_CHARS, LinkCost
 from protocols.manifest import MAX_NAME, MAX_TENSORS, TensorSpec, manifest_field, same_layout
 from protocols.transfers import StatePart, StateRequest, TokenizerRequest
 
-PROTOCOL_VERSION = 3  # 2: a data node sends a batch per pipeline (`planning.pipeline_width`); 3: a forward
-# names the data nodes whose work the plan sends through each hop (`hops._Hop.senders`)
+PROTOCOL_VERSION = 4  # 2: a data node sends a batch per pipeline (`planning.pipeline_width`); 3: a forward
+# names the data nodes whose work the plan sends through each hop (`hops._Hop.senders`); 4: a validation
+# pass names the tick whose weights it measures (`hops.Forward.weights_of`)
 MAX_MESSAGE_BYTES = 1 << 20  # control metadata only; tensors travel beside it
 MAX_RECORD_BYTES = 8192  # DHT records: hivemind's DHT failed with values near 60 KB
 MAX_ADDRS = 16

@@ -1,3 +1,3 @@
 """swarmnode: a peer-to-peer swarm training daemon."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

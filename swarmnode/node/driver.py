@@ -270,6 +270,7 @@ class DataNode(Node):
             nonce=send.nonce,
             cohort=plan.cohort,
             senders=plan.senders,
+            weights_of=self.iteration if machine.evaluation else 0,  # after its step: its next tick
         )
         delivered = await self.router.forward(first, hidden, machine.tries(send.microbatch))
         event = Unsent(send.microbatch) if delivered is None else Sent(send.microbatch, delivered.path)

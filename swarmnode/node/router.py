@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from hivemind.p2p import PeerID
 from torch import Tensor
@@ -112,19 +113,14 @@ class Router:
         tried: set[str] = set()
         spec = (TensorSpec("hidden", tuple(hidden.shape), str(hidden.dtype).removeprefix("torch.")),)
         while True:
-            message = Forward(
-                sent.run_id,
-                sent.iteration,
-                sent.microbatch,
-                tuple(path),
-                nxt,
-                tuple(stages),
-                tuple(visits),
-                spec,
-                sent.evaluate,
-                sent.nonce,
-                sent.cohort,
-                tuple(senders) if sent.senders else (),
+            message = replace(  # every other field (evaluate, nonce, cohort, weights_of) travels on as sent
+                sent,
+                path=tuple(path),
+                hop=nxt,
+                stages=tuple(stages),
+                visits=tuple(visits),
+                tensors=spec,
+                senders=tuple(senders) if sent.senders else (),
             )
             target = path[nxt]
             if attempted is not None:

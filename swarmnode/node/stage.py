@@ -155,17 +155,24 @@ class StageNode(Node):
     def abort_allowed(self, peer: str, key: MicrobatchKey) -> bool:
         return self.book.may_abort(key, peer)
 
+    async def _after_older_steps(self, iteration: int) -> bool:
+        """Wait until every tick older than `iteration` is stepped here, as long as a step may wait for an
+        awaited data node (`StepBook.await_s`); whether they were."""
+        if not self.book.waits(iteration):
+            return True
+        async with self._stepped:
+            try:
+                await asyncio.wait_for(
+                    self._stepped.wait_for(lambda: not self.book.waits(iteration)), self.book.await_s
+                )
+            except TimeoutError:
+                return False
+        return True
+
     async def _forward(self, message: Forward, key: MicrobatchKey, hidden: Tensor) -> None:
-        if self.book.waits(key.iteration):  # one step per tick: the older iterations' step comes first
-            async with self._stepped:
-                try:
-                    await asyncio.wait_for(
-                        # as long as the step may wait for an awaited data node (`StepBook.await_s`)
-                        self._stepped.wait_for(lambda: not self.book.waits(key.iteration)),
-                        self.book.await_s,
-                    )
-                except TimeoutError:
-                    logger.warning("microbatch %s ran before the step of an older iteration", key)
+        # one step per tick: the older iterations' step comes first
+        if not await self._after_older_steps(key.iteration):
+            logger.warning("microbatch %s ran before the step of an older iteration", key)
         await self.tick(key.iteration)  # after the older step: an outer step it starts includes that step
         now = time.monotonic()
         output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
@@ -181,7 +188,11 @@ class StageNode(Node):
             await self.router.report_route(delivered)
 
     async def _evaluate(self, message: Forward, hidden: Tensor) -> None:
-        """A validation microbatch: forward only, nothing held, no gradient, not tracked."""
+        """A validation microbatch: forward only, nothing held, no gradient, not tracked. It measures the
+        weights after the data node's last step (`Forward.weights_of`): it runs once the ticks before are
+        stepped here, which another data node's work of the last tick may still hold up."""
+        if not await self._after_older_steps(message.weights_of):
+            logger.info("validation microbatch ran before this node stepped tick %d", message.weights_of - 1)
         output = await self.compute.submit(
             Priority.FORWARD, lambda: self.worker.evaluate(hidden), measured=False
         )

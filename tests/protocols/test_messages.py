@@ -81,6 +81,7 @@ EXAMPLES = [
     TokenizerTransfer("run-1", "0123456789abcdef", 2_500_000),
     Route("run-1", 7, 3, (*PATH, PATH[0]), 1),
     Forward("run-1", 7, 3, PATH, 1, (0, 1, 0), (1, 2, 1), nonce=9, cohort=PATH[::2], senders=(0, 3, 0)),
+    Forward("run-1", 2**62 + 4, 3, PATH, 1, (0, 1, 0), evaluate=True, nonce=9, weights_of=100),
 ]
 ROUTE = next(message for message in EXAMPLES if isinstance(message, Route))
 
@@ -258,6 +259,10 @@ def test_local_construction_is_checked() -> None:
     ):
         with pytest.raises(LocalProtocolError, match=r"cohort|senders"):
             Forward("run", 0, 0, ("a", "b"), 1, (0, 1), cohort=cohort, senders=senders)
+    with pytest.raises(LocalProtocolError, match="weights_of"):  # a training microbatch changes the weights
+        Forward("run", 0, 0, ("a", "b"), 1, (0, 1), weights_of=3)
+    with pytest.raises(LocalProtocolError, match="weights_of"):
+        Forward("run", 0, 0, ("a", "b"), 1, (0, 1), evaluate=True, weights_of=-1)
     with pytest.raises(LocalProtocolError, match="loss"):
         NodeRecord(NodeState.ONLINE, 1, 0, 0, loss=math.inf)
     for hostile in (0.0, 1e30, -1.1):  # a donor's lr factor must not blow up or freeze the receiver's weights
