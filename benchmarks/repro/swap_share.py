@@ -10,9 +10,12 @@ on `--window` steps, beside a control that lost nothing. Printed per seed and as
 (validation loss at the end over no swaps), S1's loss just after (over the loss before) and `--window` steps
 later (over the control). With `--eval-every K`, also the cost along the way: every regime's validation loss
 every K steps over no swaps' at the same step (does the cost shrink as the stages learn both orders?).
+`--stages` and `--layers` cut a deeper or finer model (the tiny preset's width, `--layers` layers in
+`--stages` stages): does the cost depend on how much of the network a swap permutes?
 
     python benchmarks/repro/swap_share.py --json out.json
     python benchmarks/repro/swap_share.py --steps 400 --shares 0,2 --eval-every 50 --json longer.json
+    python benchmarks/repro/swap_share.py --stages 12 --layers 12 --steps 150 --shares 0,2 --eval-every 25
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def main() -> None:
     parser.add_argument(
         "--eval-every", type=int, default=0, help="also evaluate every K steps (0: only at the end)"
     )
+    parser.add_argument("--stages", type=int, default=Setup.n_stages, help="transformer stages")
+    parser.add_argument("--layers", type=int, default=Setup.n_layers, help="layers, split evenly over them")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     try:
@@ -85,8 +90,10 @@ def main() -> None:
         parser.error("--shares must hold 0 (no swaps, the baseline) and periods of 2 or more")
     if args.eval_every < 0:
         parser.error("--eval-every must be 0 or more")
+    if args.stages < 4 or args.layers % args.stages:
+        parser.error("--stages must be 4 or more (fewer never swap both pairs) and divide --layers")
     torch.set_num_threads(1)
-    setup = Setup(microbatches=2, val_batches=16)
+    setup = Setup(n_stages=args.stages, n_layers=args.layers, microbatches=2, val_batches=16)
     data = Data(setup)
     started = time.perf_counter()
     runs = [
