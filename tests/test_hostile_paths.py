@@ -73,6 +73,31 @@ async def _forge(swarm: LocalTestSwarm, data: NodeProcess, data_id: str) -> list
     return answers
 
 
+async def _evaluations(swarm: LocalTestSwarm, stage_id: str) -> list[tuple[str, str]]:
+    """Validation forwards to the stage node from a peer that is no data node, naming itself as their origin
+    and a tick far ahead (a validation pass waits for the steps before its tick): each answer's code and
+    reason ("ack", "" if served)."""
+    dht = SwarmDHT(swarm.run_id, swarm.peers_file.read_text().split(), client_mode=True)
+    transport = Transport(await dht.replicate_p2p())
+    me, target = dht.peer_id, PeerID.from_base58(stage_id)
+    shape = (TINY.batch_size // TINY.microbatches, TINY.seq_len, TINY_DIM)
+    spec = (TensorSpec("hidden", shape, "float32"),)
+    answers = []
+    try:
+        for microbatch in range(4):
+            path = (me, stage_id, me)
+            forward = Forward(
+                swarm.run_id, 2**62, microbatch, path, 1, (0, 1, 0), (), spec, True, 7, weights_of=10**9
+            )
+            reply, _ = await transport.call(target, Rpc.FORWARD, encode(forward), [torch.zeros(shape)], 10)
+            message = decode(reply)
+            answers.append((str(message.code), message.reason) if isinstance(message, Error) else ("ack", ""))
+    finally:
+        await transport.close()
+        await dht.close()
+    return answers
+
+
 def _outcome(reply: bytes) -> str:
     message = decode(reply)
     return str(message.code) if isinstance(message, Error) else "ack"
@@ -82,7 +107,7 @@ def _outcome(reply: bytes) -> str:
 def test_forged_returns_are_refused_as_stale_and_training_goes_on(swarm: LocalTestSwarm) -> None:
     swarm.bootstrap(steps=STEPS, stages=1)
     stage = swarm.join(1)
-    swarm.wait_online(stage)
+    stage_id = swarm.wait_online(stage)[0]["peer_id"]
     data = swarm.join(0)
     data_id = swarm.wait_online(data)[0]["peer_id"]
     poll(lambda: _step(data) >= 3, 90, "the data node's first steps", alive=data.check_alive)
@@ -93,6 +118,10 @@ def test_forged_returns_are_refused_as_stale_and_training_goes_on(swarm: LocalTe
     assert answers and {outcome for _, outcome in answers} == {str(ErrorCode.STALE)}, answers
     refused = data.err_path.read_text().count("without its nonce: refused")
     assert refused > 0, "no forged return reached a pending microbatch: the attack did not test the nonce"
+    # validation passes are served to the run's data nodes only (a forged one would wait for a step there)
+    evaluations = asyncio.run(_evaluations(swarm, stage_id))
+    assert len(evaluations) == 4 and all(code == str(ErrorCode.STALE) for code, _ in evaluations), evaluations
+    assert all(reason.endswith("is no online data node of this run") for _, reason in evaluations)
     poll(lambda: _step(data) >= after_attack + 3, 60, "training to go on", alive=data.check_alive)
     assert data.events("microbatch_lost") == []
     stage.check_alive()

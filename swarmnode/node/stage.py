@@ -96,11 +96,11 @@ class StageNode(Node):
         if self.state != NodeState.ONLINE:
             raise Rejected(ErrorCode.BUSY, f"this node is {self.state}, not online")
         key = MicrobatchKey(message.path[0], message.iteration, message.microbatch)
+        if not await self._is_data_node(key[0]):  # a validation pass too: it may wait for a step here
+            raise Rejected(ErrorCode.STALE, f"{key[0][-8:]} is no online data node of this run")
         if message.evaluate:
             self.spawn(self._evaluate(message, hidden), "evaluate")
             return encode(Ack()), []
-        if not await self._is_data_node(key[0]):
-            raise Rejected(ErrorCode.STALE, f"{key[0][-8:]} is no online data node of this run")
         if len(self.book) >= self._backlog_limit():  # accepted and not finished: queued or held
             raise Rejected(ErrorCode.BUSY, f"{len(self.book)} microbatches held or queued here")
         # a node is visited at most once per microbatch: a larger count is forged, and would stall steps
