@@ -42,6 +42,9 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 DHT_CALL_TIMEOUT_S = 10.0  # every DHT call is bounded: a DHT process that died never answers
+# A store puts a value on the NUM_REPLICAS peers nearest its key (hivemind's default count); stores and reads
+# look for those peers with a beam that wide, not hivemind's default of 20 (every peer of a small swarm).
+NUM_REPLICAS = 5
 
 
 async def _bounded(future: Awaitable[T]) -> T:
@@ -177,7 +180,7 @@ async def _latest_values(
 ) -> dict[str, ValueWithExpiration[Any] | None]:
     """Run in the DHT process (`DHT.run_coroutine`): the latest value of each key (as `DHT.get(latest=True)`
     finds it), all keys in one traversal."""
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=NUM_REPLICAS)
     return {key: found[key] for key in keys}
 
 
@@ -236,6 +239,10 @@ class SwarmDHT:
                     # every read here asks for the latest value, so hivemind's background re-read of cached
                     # keys (due 5 s before they expire: at once for a 4 s record) is lookups for nothing
                     cache_refresh_before_expiry=0,
+                    # nor a copy of each value read sent to a nearest peer that lacked it (a store for most
+                    # reads, as records change every period): reads ask the replicas themselves
+                    cache_nearest=0,
+                    num_replicas=NUM_REPLICAS,
                     **self.reach.p2p_kwargs(initial_peers),
                 )
             except P2PDaemonError as error:  # p2pd exited at start: its last words say why
@@ -260,6 +267,7 @@ class SwarmDHT:
                 get_dht_time() + ttl,
                 subkey=self._subkey,
                 return_future=True,
+                beam_size=NUM_REPLICAS,
             )
         )
 
@@ -267,7 +275,12 @@ class SwarmDHT:
         value = MSGPackSerializer.dumps(spec.to_dict())
         return await _bounded(
             self.dht.store(
-                run_key(self.run_id), value, get_dht_time() + ttl, subkey=self._subkey, return_future=True
+                run_key(self.run_id),
+                value,
+                get_dht_time() + ttl,
+                subkey=self._subkey,
+                return_future=True,
+                beam_size=NUM_REPLICAS,
             )
         )
 
@@ -275,7 +288,9 @@ class SwarmDHT:
         """The newest valid run definition published by one of `run_owners`; others are ignored (logged
         once per publisher). RunVersionMismatch if the owner's definition is of a swarmnode this one cannot
         join (and none is of this one)."""
-        found = await _bounded(self.dht.get(run_key(self.run_id), latest=True, return_future=True))
+        found = await _bounded(
+            self.dht.get(run_key(self.run_id), latest=True, return_future=True, beam_size=NUM_REPLICAS)
+        )
         if found is None or not isinstance(found.value, dict):
             return None
         owned = []

@@ -1,5 +1,6 @@
 """Reading the swarm off the DHT with what a daemon's footprint needs: every stage's records in one lookup
-(real DHT peers on loopback), and each signature checked once however many peers return the record."""
+(real DHT peers on loopback), stores and reads that ask only the peers nearest a key, and each signature
+checked once however many peers return the record."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from protocols.messages import NodeRecord, NodeState, encode
 from swarmnode import records
-from swarmnode.dht import SwarmDHT
+from swarmnode.dht import NUM_REPLICAS, SwarmDHT
 from swarmnode.identity import SIGNATURE_BYTES, Identity
 from swarmnode.records import SwarmRecordValidator, stage_key, subkey_of
 
@@ -53,6 +54,38 @@ def test_one_read_returns_every_stage_and_drops_expired_records() -> None:
         finally:
             await second.close()
             await first.close()
+
+    asyncio.run(scenario())
+
+
+def test_every_peer_reads_every_newest_record_in_a_swarm_wider_than_the_replicas() -> None:
+    """Stores and reads look for the NUM_REPLICAS peers nearest a key (not every peer): in a swarm of more
+    peers than that, every peer still reads every peer's newest record of every stage."""
+
+    async def scenario() -> None:
+        peers = [SwarmDHT("wide")]
+        try:
+            while len(peers) < NUM_REPLICAS + 3:
+                peers.append(SwarmDHT("wide", peers[0].visible_maddrs()))
+            for step in (1, 2):
+                await asyncio.gather(
+                    *(
+                        dht.publish(NodeRecord(NodeState.ONLINE, 1 + i % 3, step, 0), 60.0)
+                        for i, dht in enumerate(peers)
+                    )
+                )
+            expected = {
+                stage: sorted(dht.peer_id for i, dht in enumerate(peers) if 1 + i % 3 == stage)
+                for stage in (1, 2, 3)
+            }
+            for reader in peers:
+                swarm = await reader.read_swarm(3)
+                for stage in (1, 2, 3):
+                    assert sorted(p.peer_id for p in swarm[stage]) == expected[stage]
+                    assert {p.record.step for p in swarm[stage]} == {2}, "a read returned an older record"
+        finally:
+            for dht in peers:
+                await dht.close()
 
     asyncio.run(scenario())
 
