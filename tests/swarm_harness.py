@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import swarm_clients
 from procinfo import group_members, unix_socket_paths
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarmnode.event_schema import KINDS, MalformedEvent, parse_object
 from swarmnode.launcher.procs import ChildProcess, stop_all
@@ -350,6 +351,15 @@ class LocalTestSwarm:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         return left
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus scrape's samples as {(sample name, sorted labels): value}."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def step_losses(events: Iterable[dict[str, Any]]) -> list[float]:

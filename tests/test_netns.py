@@ -8,12 +8,13 @@ the namespaces made here and are deleted at the end of each test, failed or not.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from netns import Host, Network, unavailable_reason
-from swarm_harness import LocalTestSwarm, NodeProcess, poll, step_losses
+from swarm_harness import LocalTestSwarm, NodeProcess, metric_samples, poll, step_losses
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -69,16 +70,37 @@ def trains(data: NodeProcess) -> dict[str, Any]:
     return finished
 
 
+def scrape(
+    swarm: LocalTestSwarm, host: Host, node: NodeProcess
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The metrics of a node started with `--metrics-port 0`, fetched from inside its namespace (the node
+    serves them on the namespace's own loopback)."""
+    url = node.wait_event("metrics", 30)["url"]
+    fetch = (
+        f"import sys, urllib.request as r; sys.stdout.write(r.urlopen({url!r}, timeout=10).read().decode())"
+    )
+    argv = Network.exec_argv(host, [swarm.python, "-c", fetch])
+    return metric_samples(subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout)
+
+
 def test_nodes_on_separate_addresses_train(swarm: LocalTestSwarm, network: Network) -> None:
     """Bootstrap, two stage nodes and the data node each in its own namespace on one switched segment,
-    direct TCP on: each is reachable at its own address, and the run trains."""
+    direct TCP on: each is reachable at its own address, the run trains, and the stage nodes' hops took
+    the sealed direct path (the default between hosts), never the plaintext one."""
     hosts = [network.host(name) for name in ("boot", "s1", "s2", "data")]
     bootstrap(swarm, hosts[0])
-    stages = [join(swarm, hosts[1], 1), join(swarm, hosts[2], 2)]
+    stages = [
+        join(swarm, hosts[1], 1, "--metrics-port", "0"),
+        join(swarm, hosts[2], 2, "--metrics-port", "0"),
+    ]
     swarm.wait_online(*stages, timeout=ONLINE_S)
     data = join(swarm, hosts[3], 0)
     finished = trains(data)
     assert finished["microbatches_lost"] == 0
+    for node, host in zip(stages, hosts[1:3], strict=True):
+        seen = scrape(swarm, host, node)
+        assert seen[("swarmnode_streams_opened_total", (("path", "encrypted"),))] >= 1, seen
+        assert seen[("swarmnode_streams_opened_total", (("path", "direct"),))] == 0, seen
     for node, host in zip([*stages, data], hosts[1:], strict=True):
         line = node.wait_event("reachability", 60)
         assert line["reachable"] is True, line

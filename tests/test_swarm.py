@@ -16,8 +16,15 @@ from typing import Any
 
 import pytest
 from procinfo import group_members, tcp_listeners_of, udp_sockets_of
-from prometheus_client.parser import text_string_to_metric_families
-from swarm_harness import LocalTestSwarm, NodeProcess, local_test_swarm, poll, stage_peers, step_losses
+from swarm_harness import (
+    LocalTestSwarm,
+    NodeProcess,
+    local_test_swarm,
+    metric_samples,
+    poll,
+    stage_peers,
+    step_losses,
+)
 
 from swarmnode import __version__
 
@@ -203,18 +210,12 @@ ATTACKS = {1: "garbage", 2: "nan", 3: "shape"}
 REASONS = {"garbage": "malformed msgpack", "nan": "non-finite values", "shape": "shape (1, 16, 131)"}
 
 
-@pytest.mark.timeout(170)
 def scrape(node: NodeProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The node's Prometheus metrics (`--metrics-port 0`: its `metrics` event names the URL), as
     {(sample name, sorted labels): value}."""
     url = node.wait_event("metrics", 30)["url"]
     with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+        return metric_samples(response.read().decode())
 
 
 def test_hostile_peer_is_refused_banned_and_training_goes_on(swarm: LocalTestSwarm) -> None:
@@ -283,6 +284,9 @@ def test_hostile_peer_is_refused_banned_and_training_goes_on(swarm: LocalTestSwa
             (("direction", "backward"), ("peer_stage", str(stage - 1))),
         )
         assert seen[backward] == microbatches
+        # on loopback hops take the plaintext direct TCP path, never the sealed one (for hosts apart)
+        assert seen[("swarmnode_streams_opened_total", (("path", "direct"),))] >= 1, seen
+        assert seen[("swarmnode_streams_opened_total", (("path", "encrypted"),))] == 0, seen
 
 
 class SocketLeft(AssertionError):

@@ -2,7 +2,7 @@
 
 Three sources, one registry:
 - the node's state, read at each scrape (`NodeGauges`): stage, step, outer step, tokens, tokens per busy
-  second, compute queue depth, microbatches served and lost;
+  second, compute queue depth, microbatches served and lost, outbound streams opened by path;
 - the daemon's events (`node.events.emit`), counted as they happen (`on_event`): steps' loss, validation
   loss, NoLoCo rounds paired or alone, recoveries by method;
 - the daemon's request guard and router, as they act: rejections and bans by reason (`rejected`), hop
@@ -24,6 +24,7 @@ from swarmnode import __version__
 from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.compute import ComputeQueue
 from swarmnode.optim import StageOptimizer
+from swarmnode.transport import Transport
 
 HOP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 HOP_BYTES = tuple(float(2**k) for k in range(10, 31, 2))  # 1 KiB .. 1 GiB
@@ -39,6 +40,7 @@ class Observed(Protocol):
     optimizer: StageOptimizer
     compute: ComputeQueue
     outer: OuterLoop
+    transport: Transport
 
 
 class NodeGauges(Collector):
@@ -69,6 +71,15 @@ class NodeGauges(Collector):
         yield _counter(
             "swarmnode_microbatches_lost", "Microbatches this node dropped.", node.microbatches_lost
         )
+        streams = CounterMetricFamily(
+            "swarmnode_streams_opened",
+            "Outbound streams this node opened to peers, by path: encrypted (direct TCP, sealed), direct "
+            "(direct TCP in plaintext: loopback only), libp2p.",
+            labels=["path"],
+        )
+        for path in ("encrypted", "direct", "libp2p"):
+            streams.add_metric([path], node.transport.stats.streams_opened[path])
+        yield streams
 
 
 class DaemonMetrics:
