@@ -15,6 +15,7 @@ from swarmnode.launcher.simulated import SimNode, simulated_iteration_seconds
 from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.presets import get_preset
 from swarmnode.runspec import RunSpec
+from swarmnode.transport import TransportStats
 
 
 def test_the_served_count_and_the_throughput_are_read_from_the_metrics_page() -> None:
@@ -28,6 +29,7 @@ def test_the_served_count_and_the_throughput_are_read_from_the_metrics_page() ->
         optimizer=SimpleNamespace(step_count=5),
         compute=compute,
         outer=SimpleNamespace(outer_step=1),
+        transport=SimpleNamespace(stats=TransportStats()),
     )
     metrics.attach(node)
     samples = parse_metrics(generate_latest(metrics.registry).decode())
