@@ -108,8 +108,9 @@ def test_defaults_need_no_arguments(started: list[Any]) -> None:
     assert result.exit_code == 0, result.output
     [config] = started
     assert (config.preset, config.stages, config.replicas, config.data_nodes) == ("tiny", 3, 2, 2)
-    assert (config.fail_rate, config.out, config.stall_timeout) == (0.0, Path("swarm-out"), 300.0)
-    assert [str(kill) for kill in config.kills] == ["2@100"]  # the demo shows a stage being rebuilt
+    assert (config.steps, config.fail_rate, config.out) == (100, 0.0, Path("swarm-out"))
+    assert config.stall_timeout == 300.0
+    assert [str(kill) for kill in config.kills] == ["2@50"]  # the demo shows a stage being rebuilt
 
 
 @pytest.mark.parametrize(("steps", "kills"), [("1", []), ("2", ["2@1"]), ("3", ["2@1"])])

@@ -75,7 +75,7 @@ class FiniteFloatRange(click.FloatRange):
     help="Nodes of the data stage 0.",
 )
 @click.option(
-    "--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Training steps of the run."
+    "--steps", type=click.IntRange(min=1), default=100, show_default=True, help="Training steps of the run."
 )
 @click.option(
     "--fail-rate",

@@ -32,7 +32,7 @@ class SwarmConfig:
     stages: int = 3
     replicas: int = 2
     data_nodes: int = 2
-    steps: int = 200
+    steps: int = 100
     fail_rate: float = 0.0
     kills: tuple[StageKill, ...] = ()
     checkfree_plus: bool = True
