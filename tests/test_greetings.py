@@ -65,3 +65,29 @@ def test_a_node_greets_the_peers_that_route_to_it() -> None:
     router.called.clear()
     asyncio.run(greetings.greet(read, "d1", 0, 2))
     assert sorted(router.called) == [("me", Rpc.HELLO), ("s1", Rpc.HELLO), ("s2", Rpc.HELLO)]
+
+
+def test_news_wakes_a_waiter_once_a_greeting_read_the_dht() -> None:
+    async def scenario() -> list[object]:
+        tasks: list[asyncio.Task[None]] = []
+        reads: list[float] = []
+
+        async def refresh() -> None:
+            reads.append(asyncio.get_running_loop().time())
+
+        def spawn(coro: Coroutine[Any, Any, None], name: str) -> None:
+            tasks.append(asyncio.create_task(coro, name=name))
+
+        greetings = Greetings(FakeRouter(), refresh, spawn)  # type: ignore[arg-type]
+        quiet = await greetings.news(0.05)  # nobody greeted: the wait runs out
+        waiter = asyncio.create_task(greetings.news(30.0))
+        await asyncio.sleep(0)
+        started = asyncio.get_running_loop().time()
+        await greetings.on_hello("peer", None, [])
+        woke = await waiter
+        waited = asyncio.get_running_loop().time() - started
+        again = await greetings.news(0.05)  # that news was taken: the next wait runs out again
+        await asyncio.gather(*tasks)
+        return [quiet, woke, waited < 5.0, len(reads), again]
+
+    assert asyncio.run(scenario()) == [False, True, True, 1, False]

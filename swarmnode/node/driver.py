@@ -124,13 +124,11 @@ class DataNode(Node):
             self.optimizer.advance(self.iteration)
             view = self.view().without(self.router.suspects())
             if rebuild_waits(self._rebuild, lost_stages(view, self.spec), time.monotonic()):
-                await asyncio.sleep(self.spec.record_period_s)
-                await self.refresh_swarm_read()
+                await self._await_swarm_news()
                 continue
             planned = plan_iteration(view, self.me, self.spec, self.iteration, self._tokens_per_mb)
             if not planned:
-                await asyncio.sleep(self.spec.record_period_s)
-                await self.refresh_swarm_read()
+                await self._await_swarm_news()
                 continue
             started = time.monotonic()
             losses, lost = await self._run_iteration(planned, [next(self._batches) for _ in planned])
@@ -179,9 +177,14 @@ class DataNode(Node):
         if waiting:
             logger.info("waiting for %s to be online before training", ", ".join(waiting))
         while waiting and not self._stopping.is_set():
-            await asyncio.sleep(self.spec.record_period_s)
-            await self.refresh_swarm_read()
+            await self._await_swarm_news()
             waiting = not_ready_to_start(self.swarm_read, self.me, self.spec)
+
+    async def _await_swarm_news(self) -> None:
+        """Wait for a change in the swarm: a node that came online greets the data nodes, which read the DHT
+        at once (`Greetings`); without one, read it again after a record period."""
+        if not await self.greetings.news(self.spec.record_period_s):
+            await self.refresh_swarm_read()
 
     @property
     def _tokens_per_mb(self) -> int:

@@ -1,5 +1,5 @@
 """The HELLO rpc: a node that comes online greets the peers that route to it, and a greeted node reads the
-DHT at once rather than at its next refresh."""
+DHT at once rather than at its next refresh (and a data node waiting for the swarm goes on at once)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class Greetings:
     """One node's side of HELLO: `greet` the peers once it serves, `on_hello` (the handler) when greeted.
 
     However many greetings arrive, one read of the DHT runs at a time and at most one more follows it, so a
-    flood costs no more than two reads."""
+    flood costs no more than two reads. `news` waits for such a read to finish."""
 
     def __init__(
         self,
@@ -32,6 +32,7 @@ class Greetings:
         self._refresh = refresh
         self._spawn = spawn
         self._greeted: bool | None = None  # None: no read running; True: another one asked for
+        self._read = asyncio.Event()  # set when a read for greetings finished; cleared by `news`
 
     async def on_hello(self, peer: str, _: None, tensors: list[Tensor]) -> tuple[bytes, list[Tensor]]:
         """A node just came online: read the DHT now (or once more after the read now running)."""
@@ -45,11 +46,23 @@ class Greetings:
     async def _refresh_for_greetings(self) -> None:
         try:
             await self._refresh()
+            self._read.set()
             while self._greeted:  # greeted again while reading: read once more, for them all
                 self._greeted = False
                 await self._refresh()
+                self._read.set()
         finally:
             self._greeted = None
+
+    async def news(self, timeout: float) -> bool:
+        """Wait until a read of the DHT for greetings has finished since the last call (True: the swarm read
+        is fresh), or `timeout` seconds (False)."""
+        try:
+            await asyncio.wait_for(self._read.wait(), timeout)
+        except TimeoutError:
+            return False
+        self._read.clear()
+        return True
 
     async def greet(self, read: SwarmRead, me: str, stage: int, stages: int) -> None:
         """Tell the peers that route to `me`, serving `stage` of `stages`, that it serves now, so that they
