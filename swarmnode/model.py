@@ -125,7 +125,10 @@ class TokenEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        # `_weight` skips nn.Embedding's own init (``init_weights`` sets it): on the meta device its normal_
+        # runs through torch's reference ops, which import torch._dynamo (a second of a daemon's start)
+        weight = torch.empty(config.vocab_size, config.dim)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.embed_tokens(tokens)
@@ -199,11 +202,24 @@ def init_weights(module: nn.Module, seed: int, n_layers: int) -> None:
                 raise TypeError(f"init_weights does not know how to initialise {type(sub).__name__} {name!r}")
 
 
+def on_cpu(module: nn.Module) -> None:
+    """Give ``module``, built on the meta device, uninitialised CPU storage for ``init_weights`` to fill.
+
+    ``Module.to_empty`` would do it through torch's reference ops, which import sympy on their first use
+    (0.3-0.5 s of CPU in every daemon that builds a piece, a replacement node's rebuild included).
+    """
+    for sub in module.modules():
+        if any(True for _ in sub.buffers(recurse=False)):
+            raise TypeError(f"on_cpu does not materialise buffers ({type(sub).__name__})")
+        for name, param in list(sub.named_parameters(recurse=False)):
+            setattr(sub, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype), param.requires_grad))
+
+
 def build_embedding(config: ModelConfig, seed: int = 0) -> TokenEmbedding:
     """``E``, initialised from ``seed``, on the CPU."""
     with torch.device("meta"):
         embedding = TokenEmbedding(config)
-    embedding.to_empty(device="cpu")
+    on_cpu(embedding)
     init_weights(embedding, piece_seed(seed, "embed_tokens"), config.n_layers)
     return embedding
 
@@ -213,7 +229,7 @@ def build_stage(config: ModelConfig, stage_index: int, n_stages: int, seed: int 
     layers = stage_layers(config, stage_index, n_stages)
     with torch.device("meta"):
         stage = DecoderStage(config, len(layers))
-    stage.to_empty(device="cpu")
+    on_cpu(stage)
     for layer, global_index in zip(stage.layers, layers, strict=True):
         init_weights(layer, piece_seed(seed, f"layer.{global_index}"), config.n_layers)
     return stage
@@ -223,7 +239,7 @@ def build_head(config: ModelConfig, seed: int = 0) -> OutputHead:
     """``E'``, initialised from ``seed``, on the CPU."""
     with torch.device("meta"):
         head = OutputHead(config)
-    head.to_empty(device="cpu")
+    on_cpu(head)
     init_weights(head, piece_seed(seed, "head"), config.n_layers)
     return head
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from swarmnode.adam import Adam
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -56,12 +58,8 @@ class StageOptimizer:
         self.step_count = 0
         self.updates = 0
         self.last_grad_norm: float | None = None
-        self.adam = torch.optim.Adam(
-            [p for p in module.parameters() if p.requires_grad],
-            lr=schedule.lr_at(0),
-            betas=(0.9, 0.95),
-            eps=1e-8,
-        )
+        trained = [p for p in module.parameters() if p.requires_grad]
+        self.adam = Adam(trained, lr=schedule.lr_at(0), betas=(0.9, 0.95), eps=1e-8)
 
     @property
     def lr(self) -> float:
@@ -85,13 +83,12 @@ class StageOptimizer:
                 p.grad.mul_(grad_scale)
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)) if params else 0.0
         if math.isfinite(norm):
-            for group in self.adam.param_groups:
-                group["lr"] = self.schedule.lr_at(tick) * self.lr_factor
+            self.adam.lr = self.schedule.lr_at(tick) * self.lr_factor
             self.adam.step()
             self.advance(tick + 1)
             self.updates += 1
             self.last_grad_norm = norm
-        self.adam.zero_grad(set_to_none=True)
+        self.adam.zero_grad()
         return norm
 
     def reset(self, lr_factor: float) -> None:

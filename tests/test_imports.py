@@ -4,6 +4,9 @@ others (issue 10: the node's recovery once imported the daemon that imported it)
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,3 +61,43 @@ def test_no_import_cycles() -> None:
 def test_a_cycle_is_found() -> None:
     assert cycle_from({"a": {"b"}, "b": {"c"}, "c": {"a"}}, "a") == ["a", "b", "c", "a"]
     assert cycle_from({"a": {"b"}, "b": set()}, "a") is None
+
+
+def python_prints(script: str) -> str:
+    """What a fresh interpreter running `script` in the repository prints (it must succeed)."""
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_building_and_training_a_stage_imports_neither_dynamo_nor_sympy() -> None:
+    """torch.optim imports torch._dynamo, and `Module.to_empty` and a backward pass given a gradient import
+    sympy, on first use (0.5-1.2 s each of a starting daemon): a piece's build, forward, backward (a stage's
+    with the next stage's gradient) and optimizer step need neither."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch
+        from swarmnode.node.worker import OrderFreeSum
+        from swarmnode.optim import Schedule, StageOptimizer
+        from swarmnode.pieces import build_piece
+        from swarmnode.presets import get_preset
+
+        config = get_preset("tiny").model
+        for stage in (0, 1):
+            piece = build_piece(config, stage, 3, 0)
+            optimizer = StageOptimizer(piece, Schedule(1e-3, 10, 100))
+            gradients = OrderFreeSum(list(piece.parameters()))
+            if stage == 0:
+                tokens = torch.randint(0, config.vocab_size, (2, 16))
+                gradients.backward(piece.loss(piece.embed(tokens), tokens))
+            else:
+                outputs = piece(torch.randn(2, 16, config.dim))
+                gradients.backward(outputs, torch.randn(outputs.shape))
+            gradients.load()
+            optimizer.step()
+        print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+        """
+    )
+    assert python_prints(script) == "[]"

@@ -67,7 +67,7 @@ def test_the_schedule_follows_the_swarm_clock() -> None:
     module(torch.ones(1, 2)).sum().backward()
     optimizer.step(at=9)  # gradients of tick 9: the lr of tick 9, then the clock is past it
     assert optimizer.step_count == 10 and optimizer.updates == 1
-    assert optimizer.adam.param_groups[0]["lr"] == pytest.approx(Schedule(1.0, 10, 100).lr_at(9))
+    assert optimizer.adam.lr == pytest.approx(Schedule(1.0, 10, 100).lr_at(9))
     module(torch.ones(1, 2)).sum().backward()
     optimizer.step()  # the single process: one tick per step
     assert optimizer.step_count == 11 and optimizer.updates == 2

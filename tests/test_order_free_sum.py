@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from torch import nn
 
@@ -50,3 +51,21 @@ def test_inputs_keep_their_gradient_and_new_sums_start_after_a_load() -> None:
     gradients.clear()
     gradients.load()
     assert param.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pass_with_an_upstream_gradient_matches_torchs_backward_bit_for_bit(dtype: torch.dtype) -> None:
+    """A stage node's pass takes the next stage's gradient; it runs as a scalar's backward (no sympy import),
+    and must give exactly the gradients `outputs.backward(grad)` gives."""
+    generator = torch.Generator().manual_seed(3)
+    layer = nn.Linear(16, 16).to(dtype)
+    inputs = torch.randn(4, 16, generator=generator, dtype=dtype)
+    grad = torch.randn(4, 16, generator=generator)  # float32 on the wire, as `StageWorker.backward` passes it
+    expected = nn.Linear(16, 16).to(dtype)
+    expected.load_state_dict(layer.state_dict())
+    expected(inputs).backward(grad)
+    gradients = OrderFreeSum(list(layer.parameters()))
+    gradients.backward(layer(inputs), grad)
+    gradients.load()
+    for ours, theirs in zip(layer.parameters(), expected.parameters(), strict=True):
+        assert ours.grad is not None and torch.equal(ours.grad, theirs.grad.float()), dtype

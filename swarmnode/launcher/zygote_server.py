@@ -26,7 +26,6 @@ from typing import Any
 
 REAP_S = 0.05  # how often the zygote reaps its ended children while no request comes
 WARM_MODULES = (
-    "torch._dynamo",  # imported by the first optimizer a node makes: about a second
     "uvloop",
     "swarmnode.cli.daemons",
     "swarmnode.data",
@@ -38,7 +37,7 @@ WARM_MODULES = (
 
 
 def _warm() -> None:
-    """Import what every daemon imports, and torch's lazy parts its first optimizer would pull in."""
+    """Import what every daemon imports."""
     for module in WARM_MODULES:
         importlib.import_module(module)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,12 +45,6 @@ CLAIM_SETTLE_S = 0.5  # DHT stores take ~10-25 ms on loopback; half a second cov
 class JoinRefused(Exception):
     """The daemon cannot serve as asked (a stage the run lacks, a metrics port taken, data too small for
     its shard): the volunteer's to fix, told in one line. Any other error is a fault, shown in full."""
-
-
-def _warm_torch() -> None:
-    """Pay torch's lazy imports (the first optimizer pulls in torch._dynamo, about a second) while the DHT
-    starts, instead of after the stage is chosen, where they would delay a recovery."""
-    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
 
 
 @dataclass(frozen=True)
@@ -132,9 +125,6 @@ async def run_join(options: JoinOptions) -> int:
         torch.set_num_threads(options.threads)
     started = time.monotonic()
     adopt_orphans()  # a DHT process that crashes leaves its p2pd to this process, which ends it
-    # Not a daemon thread: the interpreter waits for it at exit, rather than finalising torch under its
-    # import (which printed a traceback when a node exited within its first second).
-    threading.Thread(target=_warm_torch, name="warm-torch").start()
     dht = SwarmDHT(
         options.run_id,
         options.initial_peers,

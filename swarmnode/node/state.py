@@ -18,11 +18,11 @@ from protocols._arraymap import layout_mismatch
 from protocols.bounds import drift_problem, moments_problem, size_problem
 from protocols.manifest import TensorSpec
 from protocols.transfers import StatePart
+from swarmnode.adam import STATE_FIELDS as ADAM_FIELDS
 from swarmnode.optim import StageOptimizer
 
 TensorMap = dict[str, Tensor]  # the runtime's one name -> torch tensor map (protocols': `ArrayMap`)
 
-ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
 EMBEDDING_PREFIX = "embedding."
 HEAD_PREFIX = "head."
 

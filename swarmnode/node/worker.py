@@ -81,7 +81,11 @@ class OrderFreeSum:
         for param in self._params:
             param.grad = None
         try:
-            outputs.backward(grad)
+            if grad is None:
+                outputs.backward()
+            else:  # the same pass: outputs' gradient is `grad` times one, exactly; a gradient passed to
+                # backward() imports sympy on its first use (0.5 s of a new node's first microbatch)
+                (outputs * grad).sum().backward()
             for i, param in enumerate(self._params):
                 if param.grad is not None:
                     term = param.grad.to(_sum_dtype(param.grad.device))
@@ -273,7 +277,7 @@ class DataWorker:
     def discard_gradients(self) -> None:
         """An iteration in which no microbatch completed: drop its partial gradients."""
         self._gradients.clear()
-        self.optimizer.adam.zero_grad(set_to_none=True)
+        self.optimizer.adam.zero_grad()
         if self._overflowed:  # the overflow, not a lost swarm, emptied it: back off
             self.scaler.update(overflowed=True)
         self._overflowed = False
