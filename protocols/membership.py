@@ -7,9 +7,9 @@ records and sleeps. Time comes in as durations the actions name, randomness as t
 
 `StageClaim`: look at the live swarm, choose a stage (`choose_stage`); one that has a node is taken at once
 (replicas may share it); an empty one is claimed (a `joining` record) and looked at again after the claim
-settled, then kept or left to a rival (`leaves_claim`), and another stage chosen. A kept stage is announced
-`recovering` while the node is built: a republished `joining` record would look younger than a rival's
-claim, and both would keep the stage.
+settled (`settle_seconds`), then kept or left to a rival (`leaves_claim`), and another stage chosen. A kept
+stage is announced `recovering` while the node is built: a republished `joining` record would look younger
+than a rival's claim, and both would keep the stage.
 
 `Rebalance`: a transformer stage is lost when it was seen served and none of its nodes answers now (a
 stage never served belongs to a swarm still forming). Lost on a look, then still lost after a random delay
@@ -63,6 +63,19 @@ def choose_stage(live: LiveView) -> int:
     return min(transformer, key=lambda k: (len(live[k]), per_replica(k), k))
 
 
+SETTLE_STORES = 3.0  # a claim settles for this many times its own store's duration (`settle_seconds`)
+
+
+def settle_seconds(floor_s: float, store_s: float) -> float:
+    """How long a claim settles before the look that decides it: a rival's claim stored at the same moment
+    is in flight for about as long as this node's own store took (tens of ms on loopback, more on a loaded
+    machine or across a WAN), so `SETTLE_STORES` times that, and at least `floor_s`."""
+    for name, value in (("floor_s", floor_s), ("store_s", store_s)):
+        if not math.isfinite(value) or value < 0:
+            raise LocalProtocolError(f"{name} must be a duration, got {value!r}")
+    return max(floor_s, SETTLE_STORES * store_s)
+
+
 def leaves_claim(me: str, claimants: Sequence[Member]) -> bool:
     """Whether this node, having claimed an empty stage, leaves it to a rival found there one settle later.
     A rival that already rebuilds or serves the stage keeps it; of two claims the older one keeps it (the
@@ -91,7 +104,8 @@ class Looked:
 
 @dataclass(frozen=True)
 class Look:
-    """Read the live view after `after_s` seconds; report `Looked`."""
+    """Read the live view after `after_s` seconds (after a `Claim`: `settle_seconds(after_s, its store's
+    duration)`); report `Looked`."""
 
     after_s: float
 

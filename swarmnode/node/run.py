@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from protocols.links import Network
-from protocols.membership import Claim, ClaimAction, Looked, Member, StageClaim, Take
+from protocols.membership import Claim, ClaimAction, Looked, Member, StageClaim, Take, settle_seconds
 from protocols.messages import NodeRecord, NodeState
 from swarmnode.data import check_run_data, check_splits, load_corpus
 from swarmnode.datasource import cache_dir
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 RUN_WAIT_S = 60.0
 PROGRESS_LOOK_S = 1.0  # how often a stage node looks whether its step passed a `progress` multiple
 DHT_CHECK_S = 1.0  # how often a daemon checks that its DHT process still runs
-CLAIM_SETTLE_S = 0.5  # DHT stores take ~10-25 ms on loopback; half a second covers a loaded machine
+CLAIM_SETTLE_S = 0.1  # the least a claim settles (`membership.settle_seconds`: more after a slow store)
 
 
 class JoinRefused(Exception):
@@ -98,15 +98,18 @@ async def claim_stage(dht: SwarmDHT, spec: RunSpec) -> int:
     an empty stage, look again once the claim settled) until it takes a stage."""
     claim = StageClaim(me=dht.peer_id, stages=spec.stages, settle_s=CLAIM_SETTLE_S)
     actions = claim.start()
+    stored_s = 0.0  # how long the last claim's store took
     while True:
         following: tuple[ClaimAction, ...] = ()
         for action in actions:
             if isinstance(action, Take):
                 return action.stage
             if isinstance(action, Claim):
+                began = time.monotonic()
                 await dht.publish(NodeRecord(NodeState.JOINING, action.stage, 0, 0), spec.record_ttl_s)
+                stored_s = time.monotonic() - began
                 continue
-            await asyncio.sleep(action.after_s)
+            await asyncio.sleep(settle_seconds(action.after_s, stored_s))
             left = claim.left
             following = claim.handle(Looked(await live_view(dht, spec)))
             for stage in claim.left - left:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from protocols.membership import Claim, Member, Take
+from protocols.membership import Claim, Member, Take, settle_seconds
 from protocols.messages import NodeRecord, NodeState
 from protocols.standby import (
     Standby,
@@ -38,7 +38,7 @@ from swarmnode.transport import Transport
 logger = logging.getLogger(__name__)
 
 WATCH_S = 0.25  # how often a standby pings the stages' nodes
-SETTLE_S = 0.5  # a claim's wait for rivals' claims to show (`node.run.CLAIM_SETTLE_S`)
+SETTLE_S = 0.1  # the least a claim waits for rivals' claims to show (`membership.settle_seconds`)
 PATIENCE_S = 2.0  # an outranked standby claims a stage still lost after this long
 
 CLAIMS = (NodeState.JOINING, NodeState.RECOVERING)  # records of nodes that chose a stage, not serving it yet
@@ -97,6 +97,7 @@ async def stand_by(
     watcher = Watcher(dht, spec, transport)
     announcing = asyncio.create_task(_announce(dht, spec, site))
     building: asyncio.Future[T] | None = None
+    settle_s = SETTLE_S  # after a claim: `settle_seconds` of its store
     logger.info("standing by for a lost stage of run %r", spec.run_id)
     try:
         actions: tuple[StandbyAction, ...] = machine.start()
@@ -110,9 +111,11 @@ async def stand_by(
                 if isinstance(action, Claim):
                     logger.warning("stage %d lost: claiming it as a standby", action.stage)
                     claim = NodeRecord(NodeState.JOINING, action.stage, 0, 0, site=site)
+                    began = time.monotonic()
                     await _quietly(
                         dht.publish(claim, spec.record_ttl_s), "claim"
                     )  # if lost: seen at the settle
+                    settle_s = settle_seconds(SETTLE_S, time.monotonic() - began)
                     building = prepare(action.stage)
                 elif isinstance(action, Withdraw):
                     logger.info(
@@ -122,7 +125,8 @@ async def stand_by(
                     withdrawn = NodeRecord(NodeState.LEAVING, action.stage, 0, 0, site=site)
                     await _quietly(dht.publish(withdrawn, spec.record_ttl_s), "withdrawal")
                 elif isinstance(action, Watch):
-                    if await _stopped(stopping, action.after_s) or not dht.alive:
+                    after_s = settle_s if machine.phase is StandbyPhase.CLAIMING else action.after_s
+                    if await _stopped(stopping, after_s) or not dht.alive:
                         return None
                     try:
                         following = machine.handle(await watcher.look(action.fresh))

@@ -11,6 +11,7 @@ import pytest
 
 from protocols.errors import LocalProtocolError
 from protocols.membership import (
+    SETTLE_STORES,
     Claim,
     ClaimPhase,
     Look,
@@ -29,6 +30,7 @@ from protocols.membership import (
     WaitUpdate,
     choose_stage,
     leaves_claim,
+    settle_seconds,
     stages_to_wait_for,
 )
 from protocols.messages import NodeState
@@ -318,3 +320,15 @@ def test_the_wait_for_a_rebuild_is_bounded_and_starts_again_for_a_later_loss() -
     assert wait.update([3], now=259.5).waits
     with pytest.raises(LocalProtocolError, match="limit_s"):
         RebuildWait(limit_s=math.inf)
+
+
+def test_a_claim_settles_for_several_stores_and_at_least_the_floor() -> None:
+    assert settle_seconds(0.1, 0.0) == 0.1
+    assert settle_seconds(0.1, 0.02) == 0.1  # a quick store on loopback: the floor
+    assert settle_seconds(0.1, 0.5) == pytest.approx(
+        SETTLE_STORES * 0.5
+    )  # a slow store: its rival's may be too
+    assert settle_seconds(0.0, 0.0) == 0.0
+    for bad in ((-0.1, 0.0), (0.1, -1.0), (math.nan, 0.0), (0.1, math.inf)):
+        with pytest.raises(LocalProtocolError):
+            settle_seconds(*bad)
