@@ -259,6 +259,33 @@ def test_checkfree_plus_swaps_every_data_node_evenly() -> None:
         assert orders.count((2, 1, 3, 4, 6, 5)) == 2 and orders.count((1, 2, 3, 4, 5, 6)) == 2
 
 
+@pytest.mark.parametrize("stages", [4, 6])
+@pytest.mark.parametrize("data_nodes", [1, 2, 3])
+@pytest.mark.parametrize("microbatches", [1, 2, 3])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_both_edge_pairs_swap_half_of_every_data_nodes_microbatches_in_every_configuration(
+    stages: int, data_nodes: int, microbatches: int, replicas: int
+) -> None:
+    """Over any two iterations, exactly half of each data node's microbatches run with both edge pairs
+    swapped, whatever the numbers of data nodes, microbatches and replicas (a model of 4 or more stages)."""
+    preset = "llama-124m"  # 12 layers: 4 or 6 stages
+    spec = RunSpec(run_id="r", stages=stages, microbatches=microbatches, checkfree_plus=True, preset=preset)
+    drivers = tuple(f"d{i}" for i in range(data_nodes))
+    nodes = {f"s{k}": tuple(f"n{k}r{r}" for r in range(replicas)) for k in range(1, stages + 1)}
+    view = swarm_read(s0=drivers, **nodes)
+    plain = tuple(range(1, stages + 1))
+    swapped = (2, 1, *range(3, stages - 1), stages, stages - 1)
+    for node in drivers:
+        for first in range(3):
+            orders = [
+                mb.stages[1:-1]
+                for t in (first, first + 1)
+                for mb in plan_iteration(view, node, spec, iteration=t, tokens_per_microbatch=1024)
+            ]
+            assert len(orders) == 2 * microbatches * replicas  # a batch per replica (`pipeline_width`)
+            assert orders.count(swapped) == orders.count(plain) == len(orders) // 2, (node, first, orders)
+
+
 def test_a_three_stage_model_never_swaps() -> None:
     spec = RunSpec(run_id="r", stages=3, microbatches=4, checkfree_plus=True)
     view = swarm_read(s0=("d",), s1=("a",), s2=("b",), s3=("c",))
