@@ -14,9 +14,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import hivemind
+from hivemind.dht import DHT
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
@@ -176,7 +176,7 @@ def _start_failure(message: str, host: str, port: int) -> str:
 
 
 async def _latest_values(
-    keys: tuple[str, ...], _dht: hivemind.DHT, node: DHTNode
+    keys: tuple[str, ...], _dht: DHT, node: DHTNode
 ) -> dict[str, ValueWithExpiration[Any] | None]:
     """Run in the DHT process (`DHT.run_coroutine`): the latest value of each key (as `DHT.get(latest=True)`
     finds it), all keys in one traversal."""
@@ -223,7 +223,7 @@ class SwarmDHT:
         self._ignored_runs: set[str] = set()
         with _identity_file(self.identity, identity_path) as key_file:
             try:
-                self.dht = hivemind.DHT(
+                self.dht = DHT(
                     initial_peers=list(initial_peers),
                     start=True,
                     host_maddrs=[f"/ip4/{host}/tcp/{port}"],
@@ -248,7 +248,7 @@ class SwarmDHT:
             except P2PDaemonError as error:  # p2pd exited at start: its last words say why
                 raise DHTUnavailable(_start_failure(str(error), host, port)) from None
         self.peer_id = str(self.dht.peer_id)
-        self._p2p: hivemind.P2P | None = None
+        self._p2p: P2P | None = None
         self._subkey = subkey_of(self.peer_id)
 
     @property
@@ -359,7 +359,7 @@ class SwarmDHT:
             for key, stage in keys.items()
         }
 
-    async def replicate_p2p(self) -> hivemind.P2P:
+    async def replicate_p2p(self) -> P2P:
         """This process's client of the DHT's p2pd (one per process, shared by every user of it)."""
         if self._p2p is None:
             self._p2p = await self.dht.replicate_p2p()

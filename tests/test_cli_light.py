@@ -7,7 +7,8 @@ import json
 import subprocess
 import sys
 
-HEAVY = ("torch", "hivemind", "numpy", "pyarrow", "matplotlib", "tokenizers")
+# hivemind's package itself is registered, empty, by the CLI (`hivemind_parts`); any real part loads its utils
+HEAVY = ("torch", "hivemind.utils", "numpy", "pyarrow", "matplotlib", "tokenizers")
 
 PROBE = """
 import json, sys

@@ -71,6 +71,32 @@ def python_prints(script: str) -> str:
     return done.stdout.strip()
 
 
+def test_hivemind_is_imported_by_its_parts_only() -> None:
+    """`hivemind_parts.register_package` leaves the package without its top-level names: every import of
+    hivemind names a submodule."""
+    whole = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+                names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+                if "hivemind" in names:
+                    whole.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not whole, whole
+
+
+def test_a_daemon_loads_hivemind_without_its_averager_and_scipy() -> None:
+    script = (
+        "import sys\n"
+        "from swarmnode.hivemind_parts import register_package\n"
+        "register_package()\n"
+        "import swarmnode.dht, swarmnode.node.run, swarmnode.status\n"
+        "whole = ('hivemind.averaging', 'hivemind.moe', 'hivemind.optim', 'scipy')\n"
+        "print(sorted(m for m in whole if m in sys.modules))\n"
+    )
+    assert python_prints(script) == "[]"
+
+
 def test_building_and_training_a_stage_imports_neither_dynamo_nor_sympy() -> None:
     """torch.optim imports torch._dynamo, and `Module.to_empty` and a backward pass given a gradient import
     sympy, on first use (0.5-1.2 s each of a starting daemon): a piece's build, forward, backward (a stage's

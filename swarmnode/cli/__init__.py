@@ -10,6 +10,7 @@ from swarmnode.cli import export as export_module
 from swarmnode.cli import schedule as schedule_module
 from swarmnode.cli import train as train_module
 from swarmnode.cli import up as up_module
+from swarmnode.hivemind_parts import register_package
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -17,6 +18,7 @@ from swarmnode.cli import up as up_module
 def main() -> None:
     """Train a language model on a swarm of unreliable machines: SkipPipe paths, NoLoCo averaging,
     CheckFree recovery, on a hivemind DHT."""
+    register_package()  # before any command imports hivemind: its DHT and libp2p parts alone
 
 
 for command in (

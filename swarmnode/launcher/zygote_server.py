@@ -24,6 +24,8 @@ import select
 import sys
 from typing import Any
 
+from swarmnode.hivemind_parts import register_package
+
 REAP_S = 0.05  # how often the zygote reaps its ended children while no request comes
 WARM_MODULES = (
     "uvloop",
@@ -38,6 +40,7 @@ WARM_MODULES = (
 
 def _warm() -> None:
     """Import what every daemon imports."""
+    register_package()  # as the CLI does (`swarmnode.cli.main`): the children run it
     for module in WARM_MODULES:
         importlib.import_module(module)
 
