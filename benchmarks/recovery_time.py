@@ -24,13 +24,13 @@ Phases, in seconds after the kill (and each phase's own length):
 when it died is lost; the data node notices by pinging the peers of pending paths every second. (Before
 that check it waited the run's whole `iteration_timeout_s`, 30 s, for such a microbatch, and then that
 wait, not the rebuild, set the time to the first iteration through the new node: 2 trials of 9.)
-The goal is at most 5 s; the CheckFree paper reports about 30 s.
+The goals: at most 4 s for a replacement, 2 s for a standby; the CheckFree paper reports about 30 s.
 
-Where the time went on a loaded 2-core machine (tiny preset): almost all of it is starting a process, not
-recovering: imports 2-2.5 s, DHT 0.6-0.9 s, stage choice 0.6 s, building the node 1.4 s (of which the
-first `torch.optim.Adam` alone takes 1-1.7 s: it imports torch._dynamo), fetch and rebuild 0.02-0.1 s, and
-about 1 s from `online` to the first iteration through the node (the data node sees the new record at its
-next view refresh, `record_period_s`, then runs an iteration).
+Where the time goes on a 2-core machine at load 0.5-3 (tiny preset, 2026-12-03, docs/design.md): almost
+all of it is starting a process, not recovering: the interpreter's imports 2.4 s (torch 1.3-1.5 s of it),
+the DHT 0.55 s, the stage choice 0.3 s (a look with pings, the claim, its settle, a second look), building
+the node 0.1 s, fetch and rebuild 0.05-0.1 s, and 0.3-0.4 s from `online` to the end of the first
+iteration through the node (the node greets the data nodes, which read the DHT at once). Median 3.8 s.
 
 With `--standby` the stage is taken by a standby node (`join --standby`, started and standing by before
 the kill, listed by `swarmnode status`) instead of a replacement started at the kill: its `import` and
