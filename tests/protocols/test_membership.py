@@ -325,9 +325,8 @@ def test_the_wait_for_a_rebuild_is_bounded_and_starts_again_for_a_later_loss() -
 def test_a_claim_settles_for_several_stores_and_at_least_the_floor() -> None:
     assert settle_seconds(0.1, 0.0) == 0.1
     assert settle_seconds(0.1, 0.02) == 0.1  # a quick store on loopback: the floor
-    assert settle_seconds(0.1, 0.5) == pytest.approx(
-        SETTLE_STORES * 0.5
-    )  # a slow store: its rival's may be too
+    # a slow store: a rival's may be as slow
+    assert settle_seconds(0.1, 0.5) == pytest.approx(SETTLE_STORES * 0.5)
     assert settle_seconds(0.0, 0.0) == 0.0
     for bad in ((-0.1, 0.0), (0.1, -1.0), (math.nan, 0.0), (0.1, math.inf)):
         with pytest.raises(LocalProtocolError):
