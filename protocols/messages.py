@@ -150,7 +150,8 @@ class NodeRecord(Message):
 
     The protocol version travels in every encoding and `decode` rejects other versions. `loss` is set by
     data nodes only; `grad_norm` (before clipping) feeds CheckFree; `copies` says which CheckFree+ copies
-    this node holds; `addrs` are its multiaddrs; `site` names its site in an emulated network
+    this node holds; `addrs` the circuit addresses (`.../p2p/RELAY/p2p-circuit`) of the relays through which
+    peers that cannot dial it reach it (a node behind a NAT); `site` names its site in an emulated network
     (`join --network`; None: no emulation); `links` its measured costs to the peers it last talked to (the
     planner's link costs); `stood_in` in how many of the last steps a transformer node served microbatches in
     stage 1's and in stage s's place (`protocols.standins`: the evidence for a CheckFree+ copy; None: not

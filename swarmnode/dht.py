@@ -23,6 +23,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from protocols.messages import NodeRecord, encode
 from swarmnode import msgpack_guard
+from swarmnode.hivemind_parts import p2pd_flags
 from swarmnode.identity import Identity
 from swarmnode.records import (
     MAX_STAGES,
@@ -35,6 +36,7 @@ from swarmnode.records import (
     stage_key,
     subkey_of,
 )
+from swarmnode.relays import circuit_addrs
 from swarmnode.runspec import RunSpec, RunSpecError, RunVersionMismatch
 
 T = TypeVar("T")
@@ -91,11 +93,12 @@ class Reach:
         instead of the addresses listened on; for a port forwarded through a NAT.
     use_relay: dial peers through relays when they cannot be reached directly, and (where this node is
         publicly reachable) relay for others.
-    use_auto_relay: behind a NAT: reserve a slot on relays (`relays`, else the initial peers, and peers
-        found on the DHT) so that peers can open connections to this node through them.
+    use_auto_relay: behind a NAT: publish the circuit addresses of relays (`relays`, else the initial
+        peers; `swarmnode.relays`), through which peers that cannot connect to this node open their
+        streams (`transport._relay`); libp2p also reserves slots there while this node counts as private.
     reachability: "public" or "private" overrides libp2p's AutoNAT, which never decides on private
-        address ranges; a node serves as a relay only while it counts as public.
-    relays: multiaddrs (ending in /p2p/ID) of relays to reserve a slot on, with `use_auto_relay`.
+        address ranges; libp2p's own relay serves only while a node counts as public.
+    relays: multiaddrs (ending in /p2p/ID) of the relays to be reached through, with `use_auto_relay`.
     """
 
     announce_maddrs: tuple[str, ...] = ()
@@ -130,9 +133,19 @@ class Reach:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
         if self.reachability != "auto":
             kwargs["force_reachability"] = self.reachability
-        if self.use_auto_relay and (self.relays or initial_peers):
-            kwargs["trusted_relays"] = list(self.relays or initial_peers)
+        if self.static_relays(initial_peers):
+            kwargs["trusted_relays"] = list(self.static_relays(initial_peers))
         return kwargs
+
+    def static_relays(self, initial_peers: Sequence[str]) -> tuple[str, ...]:
+        """The relays this node reserves slots on: with `use_auto_relay`, `relays`, else the initial peers."""
+        return tuple(self.relays or initial_peers) if self.use_auto_relay else ()
+
+    def p2pd_flags(self, initial_peers: Sequence[str]) -> dict[str, bool]:
+        """p2pd flags that hivemind's `P2P.create` does not pass (`hivemind_parts.p2pd_flags`). With static
+        relays, libp2p's discovery of further relays is off: it waits for four candidates (or three
+        minutes) before reserving any slot, and leaves the node unable to tell peers which relay it holds."""
+        return {"relayDiscovery": False} if self.static_relays(initial_peers) else {}
 
     def announced_ports(self) -> tuple[int, ...]:
         """The TCP ports named by `announce_maddrs`, in order, without repeats."""
@@ -221,7 +234,10 @@ class SwarmDHT:
             str(peer) for peer in map(_peer_id_of, initial_peers) if peer is not None
         )
         self._ignored_runs: set[str] = set()
-        with _identity_file(self.identity, identity_path) as key_file:
+        # where peers that cannot dial this node reach it (`NodeRecord.addrs`)
+        self.circuit_addrs = circuit_addrs(self.reach.static_relays(initial_peers))
+        flags = self.reach.p2pd_flags(initial_peers)
+        with _identity_file(self.identity, identity_path) as key_file, p2pd_flags(flags):
             try:
                 self.dht = DHT(
                     initial_peers=list(initial_peers),

@@ -10,8 +10,10 @@ A program that imported hivemind before keeps it whole: then this does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator, Mapping
 
 
 def register_package() -> None:
@@ -22,3 +24,27 @@ def register_package() -> None:
     if spec is None or spec.submodule_search_locations is None:
         return  # not installed: the first hivemind import says so
     sys.modules["hivemind"] = importlib.util.module_from_spec(spec)
+
+
+@contextlib.contextmanager
+def p2pd_flags(flags: Mapping[str, bool | int | str]) -> Iterator[None]:
+    """p2pd processes that hivemind starts inside this block (in this process, or in a process forked from
+    it, such as the DHT's) also get `-NAME=VALUE` for each of `flags`.
+
+    hivemind's `P2P.create` passes p2pd a fixed set of flags, and no way to add one; swarmnode needs
+    `-relayDiscovery=0` (`dht.Reach.p2pd_flags`). Nothing changes for an empty `flags`."""
+    if not flags:
+        yield
+        return
+    from hivemind.p2p.p2p_daemon import P2P
+
+    original = P2P.__dict__["_make_process_args"]
+
+    def with_flags(*args: object, **kwargs: object) -> list[str]:
+        return original.__func__(*args, **{**kwargs, **flags})
+
+    P2P._make_process_args = staticmethod(with_flags)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        P2P._make_process_args = original  # type: ignore[method-assign]

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 from click.testing import CliRunner
+from hivemind.p2p import PeerID
 
 import swarmnode.status
 from swarmnode.cli import daemons as daemons_cli
@@ -121,9 +122,15 @@ class FakeDHT:
 
 
 class FakeP2P:
-    """The fake DHT's p2pd client: takes stream handlers (the bootstrap serves reachability checks)."""
+    """The fake DHT's p2pd client: takes stream handlers (the bootstrap serves reachability checks, and its
+    transport relays)."""
+
+    peer_id = PeerID.from_base58(PEER.rsplit("/", 1)[-1])
 
     async def add_binary_stream_handler(self, name: str, handler: object) -> None:
+        pass
+
+    async def remove_binary_stream_handler(self, name: str) -> None:
         pass
 
 

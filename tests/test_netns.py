@@ -112,8 +112,7 @@ def test_volunteer_behind_nat_joins_and_trains(swarm: LocalTestSwarm, network: N
     router itself). Its reachability line says peers cannot reach it and what to do; it joins and the run
     trains through it: peers reach it over the libp2p connections it opened to them (measured with `ss`:
     the data node's connection to it comes from the router's address), and its peers' direct TCP path to
-    it falls back to libp2p. With three public nodes it takes no relay slot within the test (libp2p waits
-    for four candidates or three minutes), so the relayed path itself is not exercised here."""
+    it falls back to libp2p. The relayed path is the next test's."""
     boot, s1, data_host = (network.host(name) for name in ("boot", "s1", "data"))
     home = network.host_behind_nat("home")
     public = ("--reachability", "public")
@@ -128,3 +127,25 @@ def test_volunteer_behind_nat_joins_and_trains(swarm: LocalTestSwarm, network: N
     assert s1_node.wait_event("reachability", 60)["reachable"] is True
     data = join(swarm, data_host, 0, *public)
     trains(data)
+
+
+def test_volunteers_behind_two_nats_train_through_a_relay(swarm: LocalTestSwarm, network: Network) -> None:
+    """Stage 2 and the data node each behind their own masquerading router: neither can open a connection
+    to the other, so the hops between them (stage 2's forward to the data node, the data node's backward to
+    stage 2) can only cross a relay. Both join with `--use-auto-relay` and nothing else: their records list
+    their initial peer, the bootstrap, as their relay, and the bootstrap splices the streams each opens to
+    the other there (`transport._relay`). The run trains without losing a microbatch, and stage 2's streams
+    to the data node went through the relay."""
+    boot, s1 = (network.host(name) for name in ("boot", "s1"))
+    home, cafe = network.host_behind_nat("home"), network.host_behind_nat("cafe")
+    bootstrap(swarm, boot)
+    s1_node = join(swarm, s1, 1)
+    volunteer = join(swarm, home, 2, "--use-auto-relay", "--metrics-port", "0")
+    swarm.wait_online(s1_node, volunteer, timeout=ONLINE_S)
+    line = volunteer.wait_event("reachability", 60)
+    assert line["reachable"] is False and "relays" in line["message"], line
+    data = join(swarm, cafe, 0, "--use-auto-relay")
+    finished = trains(data)
+    assert finished["microbatches_lost"] == 0, finished
+    seen = scrape(swarm, home, volunteer)
+    assert seen[("swarmnode_streams_opened_total", (("path", "relayed"),))] >= 1, seen

@@ -43,7 +43,7 @@ def reach_options(func: F) -> F:
             default="auto",
             show_default=True,
             help="Override libp2p's NAT detection, which never decides on private address ranges: "
-            "'public' for a node others can dial (it then relays for nodes behind NATs), 'private' for "
+            "'public' for a node others can dial (libp2p then relays for nodes behind NATs), 'private' for "
             "one behind a NAT.",
         ),
         click.option(
@@ -51,14 +51,15 @@ def reach_options(func: F) -> F:
             "relays",
             multiple=True,
             metavar="MADDR",
-            help="With --use-auto-relay: a relay to take a slot on (/ip4/.../tcp/.../p2p/ID; repeatable). "
-            "Default: the initial peers, and relays found on the DHT.",
+            help="With --use-auto-relay: a peer to be reached through (/ip4/.../tcp/.../p2p/ID; "
+            "repeatable; every daemon relays). Default: the initial peers.",
         ),
         click.option(
             "--use-auto-relay",
             is_flag=True,
-            help="Behind a NAT: take slots on relays so that peers can open connections to this node "
-            "through them.",
+            help="Behind a NAT: list relays (--relay, else the initial peers) in this node's record, so "
+            "that peers that cannot connect to it open their streams through them (and take libp2p relay "
+            "slots there).",
         ),
         click.option(
             "--use-relay/--no-use-relay",

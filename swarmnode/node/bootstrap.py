@@ -52,8 +52,9 @@ async def run_bootstrap(
     on every way out, errors included. The bootstrap's key (kept in `identity`, if given) owns the run.
     With `seed` (the run starts from weights, `spec.init_digests`), it also serves them (`node.seed`);
     with `metrics` (host, port), Prometheus metrics of its version and role (`node.metrics`); with `reach`,
-    its announced addresses and relay settings (`dht.Reach`). It answers joiners' reachability checks, and
-    with `tokenizer` (the run's tokenizer.json), serves it to data nodes that lack it (`tokenizer_fetch`)."""
+    its announced addresses and relay settings (`dht.Reach`). It answers joiners' reachability checks, relays
+    streams to nodes behind NATs (`transport._relay`), and with `tokenizer` (the run's tokenizer.json),
+    serves it to data nodes that lack it (`tokenizer_fetch`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -70,14 +71,14 @@ async def run_bootstrap(
     transport: Transport | None = None
     try:
         await ReachServer().start(await dht.replicate_p2p())
-        if seed is not None or tokenizer is not None:
-            direct = host if host in LOOPBACK else None
-            transport = Transport(await dht.replicate_p2p(), TransportConfig(direct_host=direct))
-            if seed is not None:
-                SeedServer(spec, seed).register(transport)
-            if tokenizer is not None:
-                TokenizerServer(spec.run_id, tokenizer).register(transport)
-            await transport.start()
+        # started always: besides the seed and the tokenizer, it relays streams to volunteers behind NATs
+        direct = host if host in LOOPBACK else None
+        transport = Transport(await dht.replicate_p2p(), TransportConfig(direct_host=direct))
+        if seed is not None:
+            SeedServer(spec, seed).register(transport)
+        if tokenizer is not None:
+            TokenizerServer(spec.run_id, tokenizer).register(transport)
+        await transport.start()
         await dht.publish_run(spec, RUN_TTL_S)
         maddrs = dht.visible_maddrs()
         for addr in maddrs:

@@ -10,6 +10,7 @@ from swarmnode.dht import SwarmDHT
 from swarmnode.node.metrics import DaemonMetrics
 from swarmnode.node.serving import request_seconds
 from swarmnode.precision import Precision
+from swarmnode.relays import relays_of
 from swarmnode.runspec import RunSpec
 from swarmnode.transport import LinkEmulator, Transport, TransportConfig
 
@@ -47,4 +48,5 @@ class NodeContext:
             direct_host=direct_host, ban_seconds=BAN_SECONDS, max_request_seconds=request_seconds(spec)
         )
         transport = Transport(await dht.replicate_p2p(), config, links, identity=dht.identity)
+        transport.accept_relayed_from(relays_of(dht.circuit_addrs))
         return cls(spec, dht, transport, precision, links, metrics, dump_dir)

@@ -17,6 +17,7 @@ from dataclasses import replace
 from functools import partial
 
 import torch
+from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.bounds import CLOCK_MARGIN
@@ -43,6 +44,7 @@ from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import build_piece
 from swarmnode.precision import wire_dtypes
 from swarmnode.presets import get_preset
+from swarmnode.relays import relays_of
 from swarmnode.transport import Compression, Reply
 
 logger = logging.getLogger(__name__)
@@ -208,10 +210,11 @@ class Node(ABC):
 
     async def refresh_swarm_read(self) -> None:
         self.swarm_read = SwarmRead(await self.dht.read_swarm(self.spec.stages))
+        peers = [peer for peers in self.swarm_read.stages.values() for peer in peers]
+        listed = {peer.peer_id: relays_of(peer.record.addrs) for peer in peers if peer.record.addrs}
+        self.transport.set_relays({PeerID.from_base58(peer): relays for peer, relays in listed.items()})
         if self.links is not None:
-            self.links.set_sites(
-                {p.peer_id: p.record.site for ps in self.swarm_read.stages.values() for p in ps}
-            )
+            self.links.set_sites({peer.peer_id: peer.record.site for peer in peers})
 
     def measured_throughput(self) -> float:
         """Tokens a second of compute, as the planners cost this node by (`ThroughputMeter`); 0 until
@@ -230,6 +233,7 @@ class Node(ABC):
             throughput=self.measured_throughput(),
             queue_depth=self.compute.depth,
             copies=tuple(self.copies),
+            addrs=self.dht.circuit_addrs,
             microbatches_lost=self.microbatches_lost,
             recovery=self.recovery[0] if self.recovery else None,
             recovery_seconds=self.recovery[1] if self.recovery else None,

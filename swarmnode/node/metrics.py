@@ -74,10 +74,10 @@ class NodeGauges(Collector):
         streams = CounterMetricFamily(
             "swarmnode_streams_opened",
             "Outbound streams this node opened to peers, by path: encrypted (direct TCP, sealed), direct "
-            "(direct TCP in plaintext: loopback only), libp2p.",
+            "(direct TCP in plaintext: loopback only), libp2p, relayed (libp2p through a relay).",
             labels=["path"],
         )
-        for path in ("encrypted", "direct", "libp2p"):
+        for path in ("encrypted", "direct", "libp2p", "relayed"):
             streams.add_metric([path], node.transport.stats.streams_opened[path])
         yield streams
 

@@ -165,9 +165,10 @@ def describe(result: ReachResult, reach: Reach) -> str:
     if result.checked_by is None:
         return "reachability unknown: no initial peer answered the check"
     relay = (
-        "it joins through relays (--use-auto-relay) and the connections it opens"
+        "peers reach it over the connections it opens, and the others through its relays (--use-auto-relay)"
         if reach.use_auto_relay
-        else "peers reach it only over connections it opens (pass --use-auto-relay to take a relay slot)"
+        else "peers reach it only over connections it opens (pass --use-auto-relay to be reached through "
+        "a relay)"
     )
     seen = (
         f"could not connect to {result.observed}:{port}"

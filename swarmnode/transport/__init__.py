@@ -13,7 +13,8 @@ travel as hivemind.compression's NONE or FLOAT16; the wire format and its checks
 `Transport` facade is in `_transport`, its settings in `_config`, the calling side's streams in `_pool`, the
 serving side in `_serving`, the direct TCP path in `_direct` (its handshake in `_handshake`, its sealed
 records in `_channel`), the emulated WAN links (`Transport(p2p, config, links=LinkEmulator(network, site))`)
-in `_links`.
+in `_links`, streams through a relay to peers that cannot be dialled (`set_relays`, `accept_relayed_from`)
+in `_relay`.
 """
 
 from swarmnode.transport._config import TransportConfig, TransportStats

@@ -94,13 +94,16 @@ class TransportStats:
         "streams" (all stream slots busy), "peer_streams" (the peer's slots busy), "bytes" (the inbound byte
         budget), "hello" (a direct connection closed for a newer one before its handshake ended),
         "direct_hello" (a direct connection with a bad hello or token), "identity" (a direct connection whose
-        caller could not sign as the peer its token was granted to).
+        caller could not sign as the peer its token was granted to), "relay_busy" and "relay_header" (relay
+        requests past the splice limits, or malformed), "relayed" (a relayed stream not from one of this
+        node's relays, or malformed).
     dropped: inbound streams closed without an answer, by reason: "idle" (no request within idle_timeout),
         "evicted" (waiting for a request when a new stream needed its slot), "head" (a head slower than
         header_timeout), "slow_body" (under the rate floor), "stalled" (past the request's deadline),
         "unanswered" (a refusal while too many others were being answered).
     inbound_streams: inbound streams served now.
     inbound_bytes, inbound_bytes_peak: request-body bytes held now, and the most held at once.
+    relayed: streams this node relayed between two other peers (`_relay`).
     """
 
     calls_ok: int = 0
@@ -113,3 +116,4 @@ class TransportStats:
     inbound_streams: int = 0
     inbound_bytes: int = 0
     inbound_bytes_peak: int = 0
+    relayed: int = 0

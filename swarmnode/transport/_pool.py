@@ -6,6 +6,9 @@ kept for more than half of `idle_timeout` (the peer closes streams idle for long
 `max_calls_per_peer` calls to one peer are in flight at once (more wait), and its idle streams are closed as
 needed so that it never has more of ours open: a peer whose `max_inbound_per_peer` is at least that never
 refuses us for having too many streams.
+
+A stream to a peer that cannot be dialled but lists relays (`set_relays`: a node behind a NAT) is opened
+through one of them (`_relay`); the peer is then reached that way first for `RELAY_STICKY_S`.
 """
 
 from __future__ import annotations
@@ -13,22 +16,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmnode.transport._config import TransportConfig, TransportStats
 from swarmnode.transport._errors import PeerUnreachable, RemoteError, TransportError, WireError
 from swarmnode.transport._framing import Buffer, ErrorFrame, Response, prepare_writer, read_frame, write_frame
+from swarmnode.transport._opening import open_stream
+from swarmnode.transport._relay import open_relayed
 
 # Error codes after which the server closes the stream: such a stream is not reused.
 _CLOSING_CODES = frozenset({"bad_request", "banned", "overloaded"})
+RELAY_STICKY_S = 60.0  # after a peer was reached only through a relay, streams to it go that way first
+DIAL_FIRST_S = 3.0  # how long a stream to a peer that lists relays is tried directly before a relay
 
 
 @dataclass(eq=False)
@@ -57,6 +63,13 @@ class StreamPool:
         self._gates: dict[PeerID, asyncio.Semaphore] = {}  # per peer with calls in flight or waiting
         self._callers: Counter[PeerID] = Counter()  # calls in flight or waiting, per peer
         self._in_flight: Counter[PeerID] = Counter()
+        self._relays: dict[PeerID, tuple[PeerID, ...]] = {}  # peer -> the relays it lists
+        self._relayed_until: dict[PeerID, float] = {}  # peer -> until when to open through a relay first
+
+    def set_relays(self, relays: Mapping[PeerID, Sequence[PeerID]]) -> None:
+        """Replace the peers that list relays: peer -> its relays, in its order."""
+        self._relays = {peer: tuple(listed) for peer, listed in relays.items() if listed}
+        self._relayed_until = {peer: t for peer, t in self._relayed_until.items() if peer in self._relays}
 
     @asynccontextmanager
     async def slot(self, peer_id: PeerID) -> AsyncIterator[None]:
@@ -114,16 +127,31 @@ class StreamPool:
         self._idle.clear()
 
     async def open(self, peer_id: PeerID) -> Stream:
-        """Open a libp2p stream."""
+        """Open a libp2p stream; to a peer that lists relays, through one of them if it cannot be dialled
+        (or could not be lately)."""
         self.make_room(peer_id)
-        # Shielded so that a timeout cannot strand a half-open stream: if the caller gives up, the opening
-        # finishes on its own and is closed.
-        opening = asyncio.ensure_future(self._p2p.call_binary_stream_handler(peer_id, self._config.protocol))
+        relays = self._relays.get(peer_id, ())
+        if not relays:
+            return await self._open_direct(peer_id)
+        if time.monotonic() >= self._relayed_until.get(peer_id, 0.0):
+            try:
+                async with asyncio.timeout(DIAL_FIRST_S):  # a NAT may drop the dial unanswered
+                    return await self._open_direct(peer_id)
+            except (PeerUnreachable, TimeoutError):
+                self._relayed_until[peer_id] = time.monotonic() + RELAY_STICKY_S
+        for relay in relays:
+            try:
+                reader, writer = await open_relayed(self._p2p, relay, peer_id, self._config)
+            except PeerUnreachable:
+                continue
+            prepare_writer(writer)
+            self._stats.streams_opened["relayed"] += 1
+            return Stream(peer_id, reader, writer, direct=False, host=None)
+        return await self._open_direct(peer_id)  # no relay could: its error says why the peer could not
+
+    async def _open_direct(self, peer_id: PeerID) -> Stream:
         try:
-            info, reader, writer = await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            opening.add_done_callback(_close_opened)
-            raise
+            info, reader, writer = await open_stream(self._p2p, peer_id, self._config.protocol)
         except P2PDaemonError as e:
             raise PeerUnreachable(f"cannot open a stream to {peer_id}: {e}") from None
         except OSError as e:
@@ -167,10 +195,3 @@ def _ip_of(addr: Multiaddr) -> str | None:
         if name in names:
             return addr.value_for_protocol(name)
     return None
-
-
-def _close_opened(
-    opening: asyncio.Future[tuple[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter]],
-) -> None:
-    if not opening.cancelled() and opening.exception() is None:
-        opening.result()[2].close()

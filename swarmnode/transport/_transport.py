@@ -10,8 +10,9 @@ side in `_serving`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from types import TracebackType
 
@@ -28,7 +29,10 @@ from swarmnode.transport._errors import CallTimeout, TransportError
 from swarmnode.transport._framing import MAX_METHOD_CHARS, Compression, encode_request, frame_size
 from swarmnode.transport._links import LinkEmulator
 from swarmnode.transport._pool import Stream, StreamPool
+from swarmnode.transport._relay import RelayService, read_peer, relay_protocol, relayed_protocol
 from swarmnode.transport._serving import Handler, Server
+
+logger = logging.getLogger(__name__)
 
 
 class Transport:
@@ -76,6 +80,8 @@ class Transport:
             self._listener = DirectListener(
                 self._config, self.stats, self._server.serve_stream, identity, p2p.peer_id
             )
+        self._relay = RelayService(p2p, self._config, self.stats)
+        self._own_relays: frozenset[PeerID] = frozenset()
         self._started = False
 
     @property
@@ -116,6 +122,15 @@ class Transport:
                 bounds[method] = bound
         self._handlers[method] = handler
 
+    def set_relays(self, relays: Mapping[PeerID, Sequence[PeerID]]) -> None:
+        """The peers that list relays (peer -> its relays, `_relay`): a stream to one that cannot be dialled
+        goes through one of them. Replaces the last such map."""
+        self._pool.set_relays(relays)
+
+    def accept_relayed_from(self, relays: Iterable[PeerID]) -> None:
+        """This node's own relays: streams they relay are served as streams from the callers they name."""
+        self._own_relays = frozenset(relays)
+
     def ban(self, peer_id: PeerID, seconds: float) -> None:
         """Refuse requests from `peer_id` for `seconds` (for example after it sent non-finite values)."""
         self._server.ban(peer_id, seconds)
@@ -133,6 +148,8 @@ class Transport:
             await self._listener.start()
             self._handlers[GRANT_METHOD] = self._listener.grant
         await self._p2p.add_binary_stream_handler(self._config.protocol, self._on_stream)
+        await self._p2p.add_binary_stream_handler(relay_protocol(self._config), self._relay.handle)
+        await self._p2p.add_binary_stream_handler(relayed_protocol(self._config), self._on_relayed)
         self._started = True
 
     async def close(self) -> None:
@@ -140,12 +157,16 @@ class Transport:
         self._server.stop()
         if self._started:
             self._started = False
-            with suppress(P2PDaemonError, OSError, TimeoutError):
+            protocols = (self._config.protocol, relay_protocol(self._config), relayed_protocol(self._config))
+            with suppress(TimeoutError):
                 async with asyncio.timeout(self._config.header_timeout):
-                    await self._p2p.remove_binary_stream_handler(self._config.protocol)
+                    for protocol in protocols:  # each on its own: one already gone leaves the others
+                        with suppress(P2PDaemonError, OSError):
+                            await self._p2p.remove_binary_stream_handler(protocol)
         if self._listener is not None:
             self._listener.close()
         self._pool.close()
+        await self._relay.close()
         await self._server.cancel()
 
     async def __aenter__(self) -> Transport:
@@ -214,3 +235,21 @@ class Transport:
         self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         await self._server.serve_stream(info.peer_id, reader, writer)
+
+    async def _on_relayed(
+        self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """A stream one of this node's relays spliced from a caller it names (`_relay`)."""
+        try:
+            if info.peer_id not in self._own_relays:
+                raise ValueError(f"{info.peer_id} is not one of this node's relays")
+            async with asyncio.timeout(self._config.header_timeout):
+                caller = await read_peer(reader)
+            if caller == self.peer_id:
+                raise ValueError("a relay names this node as the caller")
+        except (ValueError, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            self.stats.refused["relayed"] += 1
+            logger.info("refused a relayed stream from %s: %s", info.peer_id, e or type(e).__name__)
+            writer.close()
+            return
+        await self._server.serve_stream(caller, reader, writer)
