@@ -174,6 +174,11 @@ class LinkEstimates:
         per_byte = self._per_byte.get(peer)
         return rtt / 2 + (nbytes * min(per_byte) if per_byte else 0.0)
 
+    def without_round_trip(self) -> list[str]:
+        """Peers this node sent large requests to (hops) but never timed a small call with: their links
+        cost nothing in `link_costs` until a ping (any small call) gives a round trip."""
+        return [peer for peer in self._per_byte if peer not in self._rtt]
+
     def recent(self, count: int) -> list[str]:
         """The `count` peers with a round trip measured most recently, most recent first."""
         return list(reversed(self._rtt))[:count]

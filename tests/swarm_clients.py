@@ -1,8 +1,9 @@
 """The tests' clients of a swarm, each run as a separate process by `LocalTestSwarm.client`:
 
-    python swarm_clients.py {hostile,weights,requester,averager,donor} PEERS_FILE RUN_ID ARGS...
+    python swarm_clients.py {hostile,weights,links,requester,averager,donor} PEERS_FILE RUN_ID ARGS...
 
-`hostile_main` is a hostile peer that sends bad "forward" calls; `weights_main` observes two replicas'
+`hostile_main` is a hostile peer that sends bad "forward" calls; `links_main` prints whom each node's
+record carries link costs to; `weights_main` observes two replicas'
 weights (announcing itself as a node recovering their stage: state goes to joiners only); the state and
 averaging clients, and a hostile donor, are in state_clients.py. hivemind and torch are imported inside
 them, so importing this module (for `CLIENTS`) stays cheap.
@@ -206,6 +207,20 @@ def weights_main(argv: Sequence[str]) -> int:
     return _run_client(peers_file, run_id, observe)
 
 
+def links_main(args: Sequence[str]) -> int:
+    """`links PEERS_FILE RUN_ID STAGES`: print one line per node of the run, with the peers its record
+    carries link costs to (`NodeRecord.links`)."""
+    peers_file, run_id, stages = args[0], args[1], int(args[2])
+
+    async def read(p2p, dht) -> None:  # type: ignore[no-untyped-def]
+        for stage, peers in (await dht.read_swarm(stages)).items():
+            for peer in peers:
+                _say(stage=stage, peer_id=peer.peer_id, links=[cost.peer for cost in peer.record.links])
+        _say(event="done")
+
+    return _run_client(peers_file, run_id, read)
+
+
 def _run_client(peers_file: str, run_id: str, body) -> int:  # type: ignore[no-untyped-def]
     """Run `body(p2p, dht)` on a fresh DHT client's P2P; shut both down whatever happens."""
     import asyncio
@@ -224,7 +239,7 @@ def _run_client(peers_file: str, run_id: str, body) -> int:  # type: ignore[no-u
     return 0
 
 
-CLIENTS = {"hostile": hostile_main, "weights": weights_main, **STATE_CLIENTS}
+CLIENTS = {"hostile": hostile_main, "weights": weights_main, "links": links_main, **STATE_CLIENTS}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in CLIENTS:

@@ -111,6 +111,13 @@ def test_pipeline_of_three_stages_trains(swarm: LocalTestSwarm) -> None:
 
     # the loss falls over the run
     finished = data.wait_event("finished", 120)
+    # each stage node's record costs its link to the next stage (a ping measured it: a hop has no round trip)
+    links = swarm.client("links", 3)
+    links.wait_event("done", 60)
+    costed = {(e["stage"], tuple(e["links"])) for e in links.events() if "links" in e}
+    nexts = {e["stage"]: e["peer_id"] for e in links.events() if "links" in e}
+    for stage in (1, 2):
+        assert any(k == stage and nexts[stage + 1] in peers for k, peers in costed), (stage, costed)
     assert data.wait_exit(30) == 0
     losses = step_losses(data.events())
     assert len(losses) == finished["step"] == 30

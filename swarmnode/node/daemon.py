@@ -49,6 +49,9 @@ from swarmnode.transport import Compression, Reply
 
 logger = logging.getLogger(__name__)
 
+LINK_PROBE_S = 5.0  # how often a node pings the peers it sent hops to without a round trip measured
+MAX_LINK_PROBES = 16  # pings per probe
+
 VIEW_GRACE_TTLS = 2  # a peer missing from the latest read is still routed to for this many record TTLs
 MEASURED_AFTER = 8  # microbatches a node serves before it measures its throughput, and measures it over
 
@@ -162,6 +165,7 @@ class Node(ABC):
             asyncio.create_task(self._every(self.spec.record_period_s, self.publish), name="publish"),
             asyncio.create_task(self._every(self.spec.record_period_s, self.refresh_swarm_read), name="view"),
             asyncio.create_task(self._every(1.0, self.maybe_step), name="expiry"),
+            asyncio.create_task(self._every(LINK_PROBE_S, self.probe_links), name="links"),
         ]
         device, dtype = str(self.precision.device), str(self.precision.dtype).removeprefix("torch.")
         emit("online", stage=self.stage, peer_id=self.me, device=device, dtype=dtype)
@@ -215,6 +219,12 @@ class Node(ABC):
         self.transport.set_relays({PeerID.from_base58(peer): relays for peer, relays in listed.items()})
         if self.links is not None:
             self.links.set_sites({peer.peer_id: peer.record.site for peer in peers})
+
+    async def probe_links(self) -> None:
+        """Ping the peers this node sent hops to but never timed a small call with (at most
+        `MAX_LINK_PROBES`): a hop alone gives no round trip, and a link without one is left out of this
+        node's record, so the planners would cost it as loopback however far the peer is."""
+        await answering(self.transport, self.transport.estimates.without_round_trip()[:MAX_LINK_PROBES])
 
     def measured_throughput(self) -> float:
         """Tokens a second of compute, as the planners cost this node by (`ThroughputMeter`); 0 until

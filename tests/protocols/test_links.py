@@ -193,3 +193,14 @@ def test_estimates_forget_the_least_recent_peers() -> None:
         estimates.observe(f"peer{i}", 10, 10, 0.01)
     assert estimates.round_trip_s("peer0") is None and estimates.round_trip_s(f"peer{MAX_PEERS + 2}") == 0.01
     assert len(estimates.recent(10 * MAX_PEERS)) == MAX_PEERS
+
+
+def test_a_peer_sent_only_hops_waits_for_a_round_trip() -> None:
+    estimates = LinkEstimates()
+    estimates.observe("next", 1 << 20, 10, 0.5)  # a hop: a large request, a small acknowledgement
+    estimates.observe("near", 100, 10, 0.002)
+    assert estimates.without_round_trip() == ["next"]
+    assert [c.peer for c in estimates.link_costs(hop_bytes=1 << 20)] == ["near"]  # no cost for "next" yet
+    estimates.observe("next", 100, 10, 0.3)  # a ping
+    assert estimates.without_round_trip() == []
+    assert {c.peer for c in estimates.link_costs(hop_bytes=1 << 20)} == {"near", "next"}
