@@ -1,9 +1,9 @@
 """Relay addresses: how a node that peers cannot dial tells them where to reach it.
 
-A volunteer behind a NAT that joins with `--use-auto-relay` holds a libp2p relay slot on its relays
-(`--relay`, else its initial peers), which keeps its connections to them open, and publishes one circuit
-address per relay in its record (`NodeRecord.addrs`): `/ip4/RELAY_IP/tcp/PORT/p2p/RELAY_ID/p2p-circuit`.
-A peer that cannot open a stream to it opens one through a relay named there (`transport._relay`).
+A volunteer behind a NAT that joins with `--use-auto-relay` publishes one circuit address per relay in its
+record (`NodeRecord.addrs`): `/ip4/RELAY_IP/tcp/PORT/p2p/RELAY_ID/p2p-circuit`. Its relays are `--relay`,
+else its initial peers, to which it opens connections as it joins; a relay reaches it over those. A peer
+that cannot open a stream to it opens one through a relay named there (`transport._relay`).
 """
 
 from __future__ import annotations

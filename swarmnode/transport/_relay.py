@@ -1,16 +1,16 @@
 """Streams through a relay: how two nodes that cannot open a connection to each other talk.
 
-A node behind a NAT lists its relays in its record (`swarmnode.relays`: by default its initial peers, on
-which it also holds a libp2p relay slot, which keeps its connection to them open). A caller that cannot open
-a stream to it opens one to a relay instead (protocol `<transport protocol>.relay`) and names the target
-(`write_target`); the relay opens a stream to the target over the connection the target keeps to it
-(`<transport protocol>.relayed`), names the caller, answers one status byte, and from then on copies bytes
+A node behind a NAT lists its relays in its record (`swarmnode.relays`: by default its initial peers, to
+which it opens connections as it joins). A caller that cannot open a stream to it opens one to a relay
+instead (protocol `<transport protocol>.relay`) and names the target (`encode_peer`); the relay opens a
+stream to the target over the connection the target opened to it (`<transport protocol>.relayed`), names
+the caller, answers one status byte, and from then on copies bytes
 both ways until either side ends. The target serves the stream as one from the caller, and only if it came
 from one of its own relays. Frames pass through unread, so a relayed stream is pooled and reused like any.
 
-p2pd's own circuit relay is not used for this: in hivemind 1.1.12's p2pd a relay's data limit is its
-default, 128 KiB per relayed connection, on most starts (a second relay service with the configured limits
-races the first), and one forward of the tiny model is 256 KiB.
+p2pd's own circuit relay is not used for this: between two NATed nodes, hivemind 1.1.12's p2pd reset the
+relayed connection during the tiny model's first 256 KiB forward in 3 of 4 runs (likely libp2p's default
+limit of 128 KiB per relayed connection: docs/design.md, "Volunteers behind NAT").
 
 Trust: a relay reads what it relays (each leg is encrypted by libp2p, not end to end) and vouches for the
 caller's peer id; a node chooses its relays. A relay copies for any caller to any swarmnode peer that
