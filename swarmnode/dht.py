@@ -133,8 +133,8 @@ class Reach:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
         if self.reachability != "auto":
             kwargs["force_reachability"] = self.reachability
-        if self.static_relays(initial_peers):
-            kwargs["trusted_relays"] = list(self.static_relays(initial_peers))
+        if relays := self.static_relays(initial_peers):
+            kwargs["trusted_relays"] = list(relays)
         return kwargs
 
     def static_relays(self, initial_peers: Sequence[str]) -> tuple[str, ...]:
