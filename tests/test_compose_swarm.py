@@ -37,7 +37,7 @@ MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("python3", "python3-venv", "passwd")  # python3-venv brings pip (ensurepip)
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 # what bootstrap/Dockerfile copies from the build context (besides the torch wheel)
-CONTEXT_FILES = ("bootstrap/Dockerfile", "pyproject.toml", "README.md", "constraints/cpu.txt")
+CONTEXT_FILES = ("bootstrap/Dockerfile", "pyproject.toml", "setup.py", "README.md", "constraints/cpu.txt")
 CONTEXT_FOLDERS = ("swarmnode", "protocols")
 COMMAND_TIMEOUT_S = 900.0
 MAX_RESTARTS = 3
@@ -120,11 +120,13 @@ def base_image(work: Path) -> str:
 
 
 def context_inputs() -> list[tuple[str, Path]]:
-    """The files bootstrap/Dockerfile copies: (path in the context, file here)."""
+    """The files bootstrap/Dockerfile copies: (path in the context, file here). Not the planner's event loop
+    compiled in place for this machine's Python (`*.so`): the image builds its own, or runs the loop in
+    Python."""
     files = [(name, ROOT / name) for name in CONTEXT_FILES]
     for folder in CONTEXT_FOLDERS:
         for path in sorted((ROOT / folder).rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts:
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".so":
                 files.append((path.relative_to(ROOT).as_posix(), path))
     return files
 

@@ -27,14 +27,22 @@ the iteration is replayed, with the same result as a fresh run.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from protocols.errors import LocalProtocolError
+from protocols.skippipe import _eventloop
+from protocols.skippipe._eventloop import Chain, State
 from protocols.skippipe.swarm import SwarmView
+
+try:
+    from protocols.skippipe import _ceventloop as _loop
+except ImportError:  # built without a C compiler: the same loop in Python
+    _loop = _eventloop
+
+EVENT_LOOP = "c" if _loop is not _eventloop else "python"
 
 
 @dataclass(frozen=True)
@@ -60,50 +68,6 @@ def simulate(
     return Simulator(view, memory, fifo=fifo).run(paths)
 
 
-Chain = list[tuple[int, bool, float, bool]]  # (node, is_forward, seconds, releases_memory) per task
-
-
-class _State:
-    """What the event loop carries from one instant to the next (at an instant's start nothing waits to
-    be dispatched)."""
-
-    __slots__ = (
-        "back",
-        "busy",
-        "collisions",
-        "ends",
-        "events",
-        "fwd",
-        "held",
-        "now",
-        "queueing",
-        "seq",
-        "until",
-    )
-
-    def __init__(self, chains: list[Chain], n_nodes: int, fifo: bool) -> None:
-        self.busy = [False] * n_nodes
-        self.until = [0.0] * n_nodes  # when a busy node's task ends
-        self.held = [0] * n_nodes
-        self.back: list[list[tuple[float, int, int]]] = [[] for _ in range(n_nodes)]
-        self.fwd = self.back if fifo else [[] for _ in range(n_nodes)]
-        # (time, seq, node, microbatch index, step): step >= 0 arrives, -1 - step finishes
-        self.events = [(0.0, i, chain[0][0], i, 0) for i, chain in enumerate(chains)]
-        self.seq = len(chains)
-        self.ends = [[math.inf] * len(chain) for chain in chains]  # when each task finished
-        self.collisions, self.queueing, self.now = 0, 0.0, 0.0
-
-    def copy(self) -> _State:
-        other = object.__new__(_State)
-        other.busy, other.held, other.until = self.busy[:], self.held[:], self.until[:]
-        other.back = [q[:] for q in self.back]
-        other.fwd = other.back if self.fwd is self.back else [q[:] for q in self.fwd]
-        other.events, other.seq = self.events[:], self.seq
-        other.ends = [e[:] for e in self.ends]
-        other.collisions, other.queueing, other.now = self.collisions, self.queueing, self.now
-        return other
-
-
 @dataclass(frozen=True)
 class Trace:
     """A timed plan and snapshots of the simulation, from which `Simulator.rerun` times a changed plan
@@ -112,7 +76,7 @@ class Trace:
     paths: Mapping[int, tuple[int, ...]]
     result: SimResult
     ends: tuple[list[float], ...]
-    snapshots: tuple[_State, ...]
+    snapshots: tuple[State, ...]
     chains: tuple[Chain, ...]
     rests: tuple[list[float], ...]
 
@@ -139,7 +103,7 @@ class Simulator:
         """Simulate one iteration over `paths`."""
         ids = sorted(paths)
         chains = [self._chain(mb, paths[mb]) for mb in ids]
-        state = _State(chains, self.view.n_nodes, self.fifo)
+        state = _loop.State(chains, self.view.n_nodes, self.fifo)
         self._play(state, chains, math.inf, None, 0)
         return _result(ids, state)
 
@@ -148,7 +112,7 @@ class Simulator:
         `rerun`."""
         ids = sorted(paths)
         chains = [self._chain(mb, paths[mb]) for mb in ids]
-        state = _State(chains, self.view.n_nodes, self.fifo)
+        state = _loop.State(chains, self.view.n_nodes, self.fifo)
         snapshots = [state.copy()]
         self._play(state, chains, math.inf, snapshots, self._stride(chains))
         frozen = MappingProxyType({mb: tuple(paths[mb]) for mb in ids})
@@ -205,134 +169,20 @@ class Simulator:
                         first = when + hop + rests[i][step]
         return ids, chains, rests, diverge, first
 
-    def _stride(self, chains: list[Chain]) -> int:
-        return self.stride or max(16, 3 * sum(map(len, chains)) // 32)  # 3 events per task
-
     def _play(
         self,
-        state: _State,
+        state: State,
         chains: list[Chain],
         bound: float,
-        snapshots: list[_State] | None,
+        snapshots: list[State] | None,
         stride: int,
         rests: list[list[float]] | None = None,
     ) -> bool:
-        """Run the event loop from `state` to the end (True), or stop (False) once the iteration is sure to
-        end after `bound`: an event falls after it, or a task arrives at a node busy too long or starts too
-        late for the rest of its chain (`rests`) to end by then. With `snapshots`, append a copy of the
-        state at an instant's start every `stride` events.
-
-        A node to serve goes to `dispatch` while other events are due at the same instant (all of an
-        instant's arrivals compete); one with nothing else due is served at once."""
-        limit = bound + 1e-9 * max(1.0, abs(bound))  # the rests are sums in another order: keep a margin
-        links = self.view.link_s
         memory = len(chains) + 1 if self.fifo else self.memory
-        busy, held, until, waiting_back, waiting_fwd = (
-            state.busy,
-            state.held,
-            state.until,
-            state.back,
-            state.fwd,
-        )
-        fifo = waiting_back is waiting_fwd
-        events, ends = state.events, state.ends
-        seq, collisions, queueing, now = state.seq, state.collisions, state.queueing, state.now
-        pending = [False] * len(busy)
-        dispatch: list[int] = []  # nodes to serve at `now` in request order, once no event is left at `now`
-        push, pop = heapq.heappush, heapq.heappop
-        since = 0
-        if events and events[0][0] > bound:
-            return False
-        while True:
-            if events and (not dispatch or events[0][0] == now):
-                if events[0][0] != now:  # a new instant
-                    if events[0][0] > bound:
-                        return False
-                    if snapshots is not None and since >= stride:
-                        state.seq, state.collisions, state.queueing = seq, collisions, queueing
-                        state.now = events[0][0]
-                        snapshots.append(state.copy())
-                        since = 0
-                now, _, node, i, step = pop(events)
-                since += 1
-                if step >= 0:  # a task arrives; it starts no sooner than its node is free
-                    if rests is not None and (until[node] if busy[node] else now) + rests[i][step] > limit:
-                        return False
-                    task = chains[i][step]
-                    if busy[node]:
-                        collisions += 1
-                        push(waiting_fwd[node] if task[1] else waiting_back[node], (now, i, step))
-                        continue
-                    if waiting_back[node] or waiting_fwd[node]:
-                        collisions += 1
-                    elif (
-                        not dispatch
-                        and (not events or events[0][0] != now)
-                        and (not task[1] or held[node] < memory)
-                    ):
-                        # alone at an idle node, nothing else due at this instant: it starts at once
-                        held[node] += task[1]
-                        busy[node] = True
-                        until[node] = end = now + task[2]
-                        push(events, (end, seq, node, i, -1 - step))
-                        seq += 1
-                        continue
-                    push(waiting_fwd[node] if task[1] else waiting_back[node], (now, i, step))
-                else:  # a task finishes
-                    step = -1 - step
-                    busy[node] = False
-                    ends[i][step] = now
-                    chain = chains[i]
-                    if chain[step][3]:  # a backward pass frees its memory slot
-                        held[node] -= 1
-                    if step + 1 < len(chain):
-                        task = chain[step + 1]
-                        nxt = task[0]
-                        arrive = now + links[node][nxt]
-                        if busy[nxt] and until[nxt] > arrive:
-                            # it will find nxt busy, and nothing is served there before then: queue it now
-                            if rests is not None and until[nxt] + rests[i][step + 1] > limit:
-                                return False
-                            collisions += 1
-                            push(waiting_fwd[nxt] if task[1] else waiting_back[nxt], (arrive, i, step + 1))
-                        else:
-                            push(events, (arrive, seq, nxt, i, step + 1))
-                            seq += 1
-                    if not waiting_back[node] and not waiting_fwd[node]:
-                        continue  # nothing to serve
-                if dispatch or (events and events[0][0] == now):
-                    if not pending[node]:
-                        pending[node] = True
-                        dispatch.append(node)
-                    continue
-                # nothing else is due at this instant: serve `node` now
-            elif dispatch:
-                node = dispatch.pop(0)
-                pending[node] = False
-                if busy[node]:
-                    continue
-            else:
-                break
-            back = waiting_back[node]
-            if back and not fifo:
-                ready, i, step = pop(back)
-            else:
-                fwd = waiting_fwd[node]
-                if fwd and held[node] < memory:
-                    ready, i, step = pop(fwd)
-                    if chains[i][step][1]:
-                        held[node] += 1
-                else:
-                    continue
-            if rests is not None and now + rests[i][step] > limit:
-                return False
-            queueing += now - ready
-            busy[node] = True
-            until[node] = end = now + chains[i][step][2]
-            push(events, (end, seq, node, i, -1 - step))
-            seq += 1
-        state.seq, state.collisions, state.queueing, state.now = seq, collisions, queueing, now
-        return True
+        return _loop.play(state, chains, self.view.link_s, memory, bound, snapshots, stride, rests)
+
+    def _stride(self, chains: list[Chain]) -> int:
+        return self.stride or max(16, 3 * sum(map(len, chains)) // 32)  # 3 events per task
 
     def _rest(self, chain: Chain) -> list[float]:
         """Per task of `chain`, the least time from its arrival to the chain's end (no waiting)."""
@@ -356,14 +206,14 @@ class Simulator:
         return chain
 
 
-def _result(ids: list[int], state: _State) -> SimResult:
+def _result(ids: list[int], state: State) -> SimResult:
     finish = {mb: ends[-1] for mb, ends in zip(ids, state.ends, strict=True) if ends[-1] != math.inf}
     stuck = tuple(mb for mb in ids if mb not in finish)
     iteration = math.inf if stuck else max(finish.values(), default=0.0)
     return SimResult(iteration, MappingProxyType(finish), state.collisions, state.queueing, stuck)
 
 
-def _last_before(snapshots: tuple[_State, ...], moment: float) -> int:
+def _last_before(snapshots: tuple[State, ...], moment: float) -> int:
     """The index of the last snapshot taken at or before `moment` (the first if none is)."""
     start = 0
     for k, snapshot in enumerate(snapshots):

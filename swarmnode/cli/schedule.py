@@ -19,6 +19,7 @@ from protocols.skippipe import (
     scenario_from_dict,
 )
 from protocols.skippipe import schedule as plan_skippipe
+from protocols.skippipe.simulator import EVENT_LOOP
 
 
 @click.command()
@@ -64,7 +65,7 @@ def schedule(scenario_path: Path, as_json: bool, seed: int, restarts: int, round
     if as_json:
         times = {name: None if p is None else p.iteration_time_s for name, p in plans.items()}
         out = {"paths": plan.as_dict(), "iteration_time_s": times, "scheduler_seconds": seconds}
-        click.echo(json.dumps({**out, "scheduler_cpu_seconds": cpu_seconds}))
+        click.echo(json.dumps({**out, "scheduler_cpu_seconds": cpu_seconds, "event_loop": EVENT_LOOP}))
     else:
         _print_table(scenario, plans, seed, seconds, cpu_seconds)
 
@@ -87,7 +88,7 @@ def _print_table(
             continue
         change = "" if full is None or p is full else f"{p.iteration_time_s / full.iteration_time_s - 1:+.1%}"
         click.echo(f"{label:<38}{p.iteration_time_s:>12.1f}{change:>18}{p.collisions:>12}")
-    click.echo(f"skippipe scheduler: {seconds:.3f} s ({cpu_seconds:.3f} s of CPU)")
+    click.echo(f"skippipe scheduler: {seconds:.3f} s ({cpu_seconds:.3f} s of CPU; event loop: {EVENT_LOOP})")
 
 
 def _load(path: Path) -> Scenario:

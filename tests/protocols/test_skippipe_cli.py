@@ -43,7 +43,9 @@ def test_json_is_one_object_with_paths_and_times() -> None:
     result = CliRunner().invoke(schedule, ["--scenario", str(SCENARIO), "--json", "--seed", "1"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
-    assert set(out) == {"paths", "iteration_time_s", "scheduler_seconds", "scheduler_cpu_seconds"}
+    timing = {"scheduler_seconds", "scheduler_cpu_seconds", "event_loop"}
+    assert set(out) == {"paths", "iteration_time_s", *timing}
+    assert out["event_loop"] in ("c", "python")
     assert set(out["iteration_time_s"]) == METHODS
     assert out["iteration_time_s"]["skippipe"] < out["iteration_time_s"]["full_pipeline"]
     assert sorted(out["paths"], key=int) == [str(mb) for mb in range(30)]
