@@ -76,15 +76,18 @@ class Shortlist:
             return cls(MappingProxyType({}), MappingProxyType(_round_trip_estimates(view, space.k)), space)
         ranked, best = {}, {}
         for d in view.data_nodes:
+            layers: dict[Order, dict[int, float]] = {(): {d: 0.0}}  # by stage prefix, shared by the orders
             for kind, orders in enumerate(space.kinds):
                 costs = []
                 for order in sorted(orders):
-                    layer = {d: 0.0}
-                    for stage in order:
-                        layer = {
-                            y: min(t + links[x][y] + links[y][x] for x, t in layer.items()) + work * fwd[y]
-                            for y in view.stages[stage]
-                        }
+                    for j in range(1, len(order) + 1):
+                        if order[:j] not in layers:
+                            before = layers[order[: j - 1]].items()
+                            layers[order[:j]] = {
+                                y: min(t + links[x][y] + links[y][x] for x, t in before) + work * fwd[y]
+                                for y in view.stages[order[j - 1]]
+                            }
+                    layer = layers[order]
                     costs.append((min(t + links[y][d] + links[d][y] for y, t in layer.items()), order))
                 costs.sort()
                 ranked[(d, kind)] = tuple(order for _, order in costs)
