@@ -50,6 +50,7 @@ from typing import Any
 
 from protocols.skippipe import METHODS, PathRules, Plan, SwarmView, scenario_from_dict, schedule, simulate
 from protocols.skippipe.baselines import full_pipeline_plan
+from protocols.skippipe.simulator import EVENT_LOOP
 
 DATA = Path(__file__).parent / "data" / "gcp12_links.json"
 PUBLISHED = {
@@ -82,7 +83,11 @@ def main() -> None:
     tables = args.only or TABLES
     old = _old_planner(args.old) if args.old else None
     data = json.loads(DATA.read_text())
-    report: dict[str, Any] = {"old": args.old, "load_before": os.getloadavg()}
+    report: dict[str, Any] = {"old": args.old, "event_loop": EVENT_LOOP, "load_before": os.getloadavg()}
+    print(
+        f"planner event loop: {EVENT_LOOP}"
+        + (" (the old planner's: python, never compiled here)" if old else "")
+    )
     if "methods" in tables:
         report["methods"] = _methods(data, seeds, old)
     if "effort" in tables:
