@@ -17,6 +17,7 @@ setup(
         Extension(
             "protocols.skippipe._ceventloop",
             ["protocols/skippipe/_ceventloop.c"],
+            depends=["protocols/skippipe/_ceventloop_heaps.h", "protocols/skippipe/_ceventloop_state.h"],
             extra_compile_args=FLAGS,
             optional=True,
         )
