@@ -32,13 +32,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import protocols.skippipe._eventloop as _eventloop
 from protocols.errors import LocalProtocolError
-from protocols.skippipe import _eventloop
 from protocols.skippipe._eventloop import Chain, State
 from protocols.skippipe.swarm import SwarmView
 
 try:
-    from protocols.skippipe import _ceventloop as _loop
+    import protocols.skippipe._ceventloop as _loop
 except ImportError:  # built without a C compiler: the same loop in Python
     _loop = _eventloop
 
