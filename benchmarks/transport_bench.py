@@ -15,27 +15,37 @@ Candidates, all between two OS processes on loopback (each with its own p2pd whe
 Each runs with the tensor as float32 and as float16 on the wire (hivemind's FLOAT16); MiB/s counts the fp32
 size; CPU is that of both processes and both p2pd together. Run `python benchmarks/transport_bench.py`
 (about a minute; `--quick`: a few seconds; `--json FILE`: also write every cell as a row, with the machine's
-load). Each cell's pushes are taken in ten short blocks, in turn with the other options of its column, so
-that the ratios against plain TCP compare like with like; the machine is noisy all the same: expect 30%
-differences between runs.
+load).
+
+`--netns` (root, `ip netns`): the two processes on two hosts instead, network namespaces on one switched
+segment (`tests/netns.py`), each with its own address, so that every option crosses veths and a bridge as
+between machines. There "swarmnode direct" is left out (plaintext never leaves loopback), and "swarmnode
+encrypted" is exactly what two daemons on different hosts use.
+
+Each cell's pushes are taken in ten short blocks, in turn with the other options of its column, so that the
+ratios against plain TCP compare like with like; the machine is noisy all the same: expect 30% differences
+between runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import dataclasses
 import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import suppress
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 import uvloop
@@ -52,7 +62,8 @@ from swarmnode.transport._framing import encode_request, encode_response, read_f
 SIZES = (16, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
 UNARY_CAP = 4 << 20
 ROUNDS = 10  # blocks per option and cell, taken in turn with the other options'
-HOST = ["/ip4/127.0.0.1/tcp/0"]
+LOOPBACK = "127.0.0.1"
+CLONE_NEWNET = 0x40000000
 OPTIONS = (
     "hivemind unary",
     "hivemind stream",
@@ -62,10 +73,42 @@ OPTIONS = (
     "swarmnode encrypted",
     "plain TCP",
 )
+LOOPBACK_ONLY = ("swarmnode direct",)
 REMOTE_DEFAULT = "swarmnode encrypted"
 CONFIG = TransportConfig(limits=Limits(max_message_bytes=1 << 30))
-DIRECT = dataclasses.replace(CONFIG, direct_host="127.0.0.1")
-ENCRYPTED = dataclasses.replace(DIRECT, plaintext_loopback=False)  # sealed on loopback too, as between hosts
+_cpu_root = os.getpid()  # whose process tree `_tree_cpu_seconds` counts: both sides and their p2pds
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one side runs: its address, and the network namespace it enters first (None: this one)."""
+
+    address: str = LOOPBACK
+    namespace: str | None = None
+
+    def enter(self) -> None:
+        """Enter the namespace before opening a socket or starting a p2pd (they inherit it)."""
+        if self.namespace is None:
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open(f"/var/run/netns/{self.namespace}") as handle:
+            if libc.setns(handle.fileno(), CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"cannot enter network namespace {self.namespace}")
+
+    @property
+    def maddrs(self) -> list[str]:
+        return [f"/ip4/{self.address}/tcp/0"]
+
+    @property
+    def direct(self) -> TransportConfig:
+        """The direct path from here: plaintext accepted on loopback only."""
+        return dataclasses.replace(CONFIG, direct_host=self.address)
+
+    @property
+    def encrypted(self) -> TransportConfig:
+        """The direct path, sealed even on loopback, as between hosts."""
+        return dataclasses.replace(self.direct, plaintext_loopback=False)
+
 
 Push = Callable[[torch.Tensor, Compression], Awaitable[None]]
 
@@ -109,31 +152,31 @@ async def _tcp_session(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         writer.close()
 
 
-async def _p2p(identity: Identity, initial_peers: list[str] | None = None) -> P2P:
+async def _p2p(identity: Identity, place: Place, initial_peers: list[str] | None = None) -> P2P:
     """A P2P whose p2pd runs with `identity` (as a daemon's does), so that the encrypted path can prove it."""
     with tempfile.TemporaryDirectory() as folder:
         key_file = Path(folder) / "identity.key"
         identity.save(key_file)
         return await P2P.create(
             initial_peers=initial_peers or [],
-            host_maddrs=HOST,
+            host_maddrs=place.maddrs,
             nat_port_map=False,
             identity_path=str(key_file),
             check_if_identity_free=False,
         )
 
 
-async def _serve(conn: Connection) -> None:
+async def _serve(conn: Connection, place: Place) -> None:
     identity = Identity.generate()
-    p2p = await _p2p(identity)
+    p2p = await _p2p(identity, place)
     await p2p.add_protobuf_handler("bench.unary", _unary, ExpertRequest)
     await p2p.add_protobuf_handler(
         "bench.stream", _streaming, ExpertRequest, stream_input=True, stream_output=True
     )
-    transport = Transport(p2p, DIRECT, identity=identity)  # accepts plaintext (loopback) and encrypted calls
+    transport = Transport(p2p, place.direct, identity=identity)  # plaintext (loopback) and encrypted calls
     transport.register("ack", _ack)
     await transport.start()
-    tcp = await asyncio.start_server(_tcp_session, "127.0.0.1", 0)
+    tcp = await asyncio.start_server(_tcp_session, place.address, 0)
     conn.send(([str(maddr) for maddr in await p2p.get_visible_maddrs()], tcp.sockets[0].getsockname()[1]))
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until the client says stop
     tcp.close()
@@ -141,9 +184,10 @@ async def _serve(conn: Connection) -> None:
     await p2p.shutdown()
 
 
-def _server_main(conn: Connection) -> None:
+def _server_main(conn: Connection, place: Place) -> None:
+    place.enter()
     torch.set_num_threads(1)
-    uvloop.run(_serve(conn))
+    uvloop.run(_serve(conn, place))
 
 
 # ---- the client -----------------------------------------------------------------------------------------
@@ -154,14 +198,14 @@ def _hivemind_compression(compression: Compression) -> int:
 
 
 def _tree_cpu_seconds() -> float:
-    """User + system CPU time of this process and all its live descendants (from /proc)."""
+    """User + system CPU time of the benchmark's first process and all its live descendants (from /proc)."""
     stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with suppress(OSError), open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
                 stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
-    tree, frontier = {os.getpid()}, [os.getpid()]
+    tree, frontier = {_cpu_root}, [_cpu_root]
     while frontier:
         parent = frontier.pop()
         children = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in tree]
@@ -207,15 +251,17 @@ async def _measure_side_by_side(
     }
 
 
-async def _client(maddrs: list[str], port: int, sizes: tuple[int, ...], budget: float) -> Results:
+async def _client(
+    place: Place, server_place: Place, maddrs: list[str], port: int, sizes: tuple[int, ...], budget: float
+) -> Results:
     identity = Identity.generate()
-    p2p = await _p2p(identity, maddrs)
+    p2p = await _p2p(identity, place, maddrs)
     server = PeerID.from_base58(maddrs[0].rsplit("/p2p/", 1)[1])
     persistent = Transport(p2p, CONFIG)
     per_call = Transport(p2p, dataclasses.replace(CONFIG, max_idle_streams=0))
-    direct = Transport(p2p, DIRECT)
-    encrypted = Transport(p2p, ENCRYPTED, identity=identity)
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    encrypted = Transport(p2p, place.encrypted, identity=identity)
+    direct = Transport(p2p, place.direct) if place.address == LOOPBACK else encrypted  # (left out below)
+    reader, writer = await asyncio.open_connection(server_place.address, port)
     writer.transport.set_write_buffer_limits(high=0)
 
     async def unary(tensor: torch.Tensor, compression: Compression) -> None:
@@ -247,6 +293,8 @@ async def _client(maddrs: list[str], port: int, sizes: tuple[int, ...], budget: 
             strict=True,
         )
     )
+    if place.address != LOOPBACK:
+        pushes = {option: push for option, push in pushes.items() if option not in LOOPBACK_ONLY}
     results: Results = {}
     try:
         for size in sizes:
@@ -260,10 +308,10 @@ async def _client(maddrs: list[str], port: int, sizes: tuple[int, ...], budget: 
                 }
                 cells = await _measure_side_by_side(measured, tensor, compression, budget)
                 for option in pushes:
-                    results[option, compression, size] = cells.get(option)
+                    results[option, compression, size] = cells.get(option)  # None: over the cap
     finally:
         writer.close()
-        for transport in (persistent, per_call, direct, encrypted):
+        for transport in {persistent, per_call, direct, encrypted}:
             await transport.close()
         if encrypted.stats.streams_opened["encrypted"] == 0:
             raise RuntimeError("the encrypted option never used the encrypted path")
@@ -286,8 +334,9 @@ def _table(results: Results, show: Callable[[Cell, Cell, int], str]) -> str:
         "| option | wire | " + " | ".join(_size_name(size) for size in sizes) + " |",
         "|---|---|" + "---|" * len(sizes),
     ]
+    measured = {option for option, _, _ in results}
     for compression in Compression:
-        for option in OPTIONS:
+        for option in (option for option in OPTIONS if option in measured):
             cells = []
             for size in sizes:
                 cell, ceiling = results[option, compression, size], results["plain TCP", compression, size]
@@ -357,6 +406,54 @@ def _codec_table() -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def _places(parser: argparse.ArgumentParser, netns: bool) -> Iterator[tuple[Place, Place]]:
+    """Where the server and the client run: both on loopback, or each in a namespace of its own."""
+    if not netns:
+        yield Place(), Place()
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from netns import Network, unavailable_reason  # tests/netns.py
+
+    reason = unavailable_reason()
+    if reason is not None:
+        parser.error(f"--netns: {reason}")
+    with Network() as network:
+        server, client = network.host("srv"), network.host("cli")
+        yield Place(server.address, server.namespace), Place(client.address, client.namespace)
+
+
+def _client_main(conn: Connection, *work: Any) -> None:
+    work[0].enter()
+    try:
+        conn.send(("results", uvloop.run(_client(*work))))
+    except BaseException as error:  # the parent waits on this pipe: tell it, whatever happened
+        conn.send(("error", repr(error)))
+        raise
+
+
+def _client_elsewhere(ctx: Any, *work: Any) -> Results:
+    """`_client(*work)` in a child process, which enters the client's namespace first."""
+    ours, theirs = ctx.Pipe()
+    client = ctx.Process(target=_client_main, args=(theirs, *work), daemon=True)
+    client.start()
+    theirs.close()
+    try:
+        kind, value = ours.recv()
+    finally:
+        _stop(client)
+    if kind != "results":
+        raise RuntimeError(f"the client failed: {value}")
+    return value
+
+
+def _stop(process: Any) -> None:
+    process.join(timeout=15)
+    if process.is_alive():
+        process.kill()  # by pid
+        process.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three sizes, briefly (a smoke run)")
@@ -367,29 +464,32 @@ def main() -> None:
     parser.add_argument(
         "--budget", type=float, default=None, help="seconds per cell (default 0.6, quick 0.1)"
     )
+    parser.add_argument(
+        "--netns", action="store_true", help="the two sides in two network namespaces (root, `ip netns`)"
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     torch.set_num_threads(1)  # conversions on the event loop thread; no intra-op thread pool spinning
+    sizes, budget = (SIZES[:3], 0.1) if args.quick else (SIZES, 0.6)
+    sizes, budget = tuple(args.sizes or sizes), args.budget or budget
     ctx = mp.get_context("fork")
-    ours, theirs = ctx.Pipe()
-    server = ctx.Process(target=_server_main, args=(theirs,), daemon=True)
-    server.start()
-    try:
-        maddrs, port = ours.recv()
-        sizes, budget = (SIZES[:3], 0.1) if args.quick else (SIZES, 0.6)
-        sizes, budget = tuple(args.sizes or sizes), args.budget or budget
-        results = uvloop.run(_client(maddrs, port, sizes, budget))
-    finally:
-        ours.send("stop")
-        server.join(timeout=15)
-        if server.is_alive():
-            server.kill()  # by pid
-            server.join()
+    with _places(parser, args.netns) as (server_place, client_place):
+        ours, theirs = ctx.Pipe()
+        server = ctx.Process(target=_server_main, args=(theirs, server_place), daemon=True)
+        server.start()
+        try:
+            maddrs, port = ours.recv()
+            work = (client_place, server_place, maddrs, port, sizes, budget)
+            results = _client_elsewhere(ctx, *work) if client_place.namespace else uvloop.run(_client(*work))
+        finally:
+            ours.send("stop")
+            _stop(server)
     print(
         "Push one fp32 activation, get an ack: median ms per push, MiB/s of fp32 data, speed vs plain TCP\n"
     )
     print(_table(results, _speed))
-    print("\nCPU per push (both processes and both p2pd): ms, and as a multiple of plain TCP's\n")
+    where = "between two network namespaces" if args.netns else "on loopback"
+    print(f"\nCPU per push (both processes and both p2pd, {where}): ms, and as a multiple of plain TCP's\n")
     print(_table(results, _cpu))
     print("\nSerialise + deserialise one 32 MiB fp32 tensor in-process (best of 3)\n")
     print(_codec_table())
