@@ -69,3 +69,16 @@ def test_a_pass_with_an_upstream_gradient_matches_torchs_backward_bit_for_bit(dt
     gradients.load()
     for ours, theirs in zip(layer.parameters(), expected.parameters(), strict=True):
         assert ours.grad is not None and torch.equal(ours.grad, theirs.grad.float()), dtype
+
+
+def test_bfloat16_gradients_are_summed_exactly_too() -> None:
+    """Later passes are added into the float64 sums without a float64 copy of each term: the widening
+    inside the add is exact, as the copy's was."""
+    parts = [part.to(torch.bfloat16) for part in terms(3)]
+    param = nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
+    gradients = OrderFreeSum([param])
+    for part in parts:
+        gradients.backward((param * part).sum())
+    gradients.load()
+    exact = sum((p.double() for p in parts), torch.zeros(4096, dtype=torch.float64)).to(torch.bfloat16)
+    assert param.grad is not None and torch.equal(param.grad, exact)

@@ -88,9 +88,11 @@ class OrderFreeSum:
                 (outputs * grad).sum().backward()
             for i, param in enumerate(self._params):
                 if param.grad is not None:
-                    term = param.grad.to(_sum_dtype(param.grad.device))
                     total = self._sums[i]
-                    self._sums[i] = term if total is None else total.add_(term)
+                    if total is None:
+                        self._sums[i] = param.grad.to(_sum_dtype(param.grad.device))
+                    else:  # widened exactly inside the add: no float64 copy of the term
+                        total.add_(param.grad)
         finally:
             for param in self._params:
                 param.grad = None
