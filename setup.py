@@ -1,8 +1,8 @@
 """The one compiled part: the planner's event loop (protocols/skippipe/_ceventloop.c), optional.
 
-Without a C compiler the build skips it with a warning and the planner runs the same loop in Python
-(protocols/skippipe/_eventloop.py), with the same plans, several times slower. Everything else is in
-pyproject.toml.
+Without a C compiler (or Python's headers) the build skips it with a warning and the planner runs the same
+loop in Python (protocols/skippipe/_eventloop.py): the same plans, in about twice the time. Everything else
+is in pyproject.toml.
 """
 
 import sys

@@ -23,6 +23,10 @@ both models, not only in the one it was optimised in.
 `Simulator` keeps task chains between runs and re-times a changed plan from snapshots of a traced one
 (`trace`, `rerun`): the state before the first changed task is the traced plan's, so only the rest of
 the iteration is replayed, with the same result as a fresh run.
+
+The event loop itself is `_eventloop.play`, or its C twin `_ceventloop` where the install compiled it
+(the same results to the last bit; `EVENT_LOOP` says which runs). Their states are opaque here: only
+`copy()`, `now`, `ends`, `collisions` and `queueing` are read.
 """
 
 from __future__ import annotations
