@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from swarmnode.node.worker import OrderFreeSum
+from swarmnode.node.worker import OrderFreeSum, SpareSums
 
 
 def terms(count: int) -> list[torch.Tensor]:
@@ -82,3 +82,23 @@ def test_bfloat16_gradients_are_summed_exactly_too() -> None:
     gradients.load()
     exact = sum((p.double() for p in parts), torch.zeros(4096, dtype=torch.float64)).to(torch.bfloat16)
     assert param.grad is not None and torch.equal(param.grad, exact)
+
+
+def test_a_new_group_reuses_a_finished_groups_buffers_and_starts_from_its_own_gradients() -> None:
+    parts = terms(3)
+    param = nn.Parameter(torch.zeros(4096))
+    spare = SpareSums()
+    first = OrderFreeSum([param], spare)
+    for part in parts[:2]:
+        first.backward((param * part).sum())
+    first.load()
+    assert len(spare) == 1  # the float64 sum, given back
+    assert torch.equal(param.grad, (parts[0].double() + parts[1].double()).float())
+    second = OrderFreeSum([param], spare)
+    second.backward((param * parts[2]).sum())
+    assert len(spare) == 0  # taken: no fresh buffer
+    second.load()
+    assert torch.equal(param.grad, parts[2])  # nothing of the first group's sum left in it
+    second.backward((param * parts[0]).sum())
+    second.clear()  # dropped sums are spare too
+    assert len(spare) == 1

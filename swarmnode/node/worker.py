@@ -63,16 +63,40 @@ def _unscaled_gradient(inputs: Tensor, scale: float, key: object) -> Tensor:
     return grad
 
 
+class SpareSums:
+    """Sum buffers that finished groups gave back, for the next groups to write into. A fresh float64 sum for
+    a llama-124m stage is 250 MB whose pages fault in on its first write: in a live swarm that took a third
+    of a stage's compute thread. Holds at most as many as were in use at once."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
+
+    def take(self, like: Tensor, dtype: torch.dtype) -> Tensor | None:
+        """A spare buffer of `like`'s shape and device in `dtype` (its contents are stale), or None."""
+        free = self._free.get((tuple(like.shape), dtype, like.device))
+        return free.pop() if free else None
+
+    def give(self, buffer: Tensor) -> None:
+        self._free.setdefault((tuple(buffer.shape), buffer.dtype, buffer.device), []).append(buffer)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._free.values()))
+
+
 class OrderFreeSum:
     """The gradients of several backward passes, summed so that the order of the passes does not change the
     result: each pass's gradients are computed alone and added into float64 sums, exact while the terms of a
     sum lie within 2^29 of each other (a few float32 gradients of one parameter do), then rounded to float32
     once. Summed in float32 in the order the microbatches came back, two runs of one seed parted in the last
     bits within a few steps, and training grew that to 0.15 in a step's loss by step 40. On Apple's MPS,
-    which has no float64, the sums stay float32 (and the order shows again)."""
+    which has no float64, the sums stay float32 (and the order shows again).
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    The first pass's gradients are widened into a buffer from `spare` (kept across loads and shared by the
+    sums of one worker), later ones added as they are: widening is exact, so neither changes a bit."""
+
+    def __init__(self, params: list[nn.Parameter], spare: SpareSums | None = None) -> None:
         self._params = params
+        self._spare = spare if spare is not None else SpareSums()
         self._sums: list[Tensor | None] = [None] * len(params)
 
     def backward(self, outputs: Tensor, grad: Tensor | None = None) -> None:
@@ -90,8 +114,10 @@ class OrderFreeSum:
                 if param.grad is not None:
                     total = self._sums[i]
                     if total is None:
-                        self._sums[i] = param.grad.to(_sum_dtype(param.grad.device))
-                    else:  # widened exactly inside the add: no float64 copy of the term
+                        dtype = _sum_dtype(param.grad.device)
+                        buffer = self._spare.take(param.grad, dtype)
+                        self._sums[i] = param.grad.to(dtype) if buffer is None else buffer.copy_(param.grad)
+                    else:
                         total.add_(param.grad)
         finally:
             for param in self._params:
@@ -99,12 +125,17 @@ class OrderFreeSum:
 
     def load(self) -> None:
         """Point the parameters' `.grad` at the sums, rounded to their dtype, and start new sums."""
-        for param, total in zip(self._params, self._sums, strict=True):
+        for i, (param, total) in enumerate(zip(self._params, self._sums, strict=True)):
             param.grad = None if total is None else total.to(param.dtype)
+            if param.grad is total:  # the sum is the gradient now (MPS: both float32): not a spare
+                self._sums[i] = None
         self.clear()
 
     def clear(self) -> None:
-        """Drop the sums."""
+        """Drop the sums (their buffers go to the spares)."""
+        for total in self._sums:
+            if total is not None:
+                self._spare.give(total)
         self._sums = [None] * len(self._params)
 
 
@@ -130,6 +161,7 @@ class StageWorker:
         self._held: dict[MicrobatchKey, _Held] = {}
         self._params = list(module.parameters())
         self._grads: dict[Group, OrderFreeSum] = {}  # each group's accumulated gradients
+        self._spare = SpareSums()  # their buffers, reused group after group
         self._scales: dict[Group, float] = {}  # each group's loss scale (float16)
 
     @property
@@ -161,7 +193,9 @@ class StageWorker:
         if held is None:
             raise MissingActivations(key)
         scale = self._scales.setdefault(key.group, self.scaler.scale)
-        gradients = self._grads.setdefault(key.group, OrderFreeSum(self._params))
+        gradients = self._grads.get(key.group)
+        if gradients is None:
+            gradients = self._grads[key.group] = OrderFreeSum(self._params, self._spare)
         gradients.backward(held.outputs, grad.to(self.precision.device, torch.float32) * scale)
         return _to_wire(_unscaled_gradient(held.inputs, scale, key), self.wire.gradients)
 
@@ -186,7 +220,7 @@ class StageWorker:
         before its backward pass was counted); returns how many were dropped."""
         stale = [group for group in self._grads if group not in groups]
         for group in stale:
-            del self._grads[group]
+            self._grads.pop(group).clear()
             self._scales.pop(group, None)
         return len(stale)
 
