@@ -65,20 +65,25 @@ def granted(paths: Paths, view: SwarmView, draws: Draws) -> Paths:
 
 
 EVEN_WITHIN = 1.5  # replicas within this factor of their stage's cheapest are dealt an even share
+LINK_SLACK_S = 0.25  # links this much dearer than the nearest replica's still count as alike (seconds)
 
 
 def mix_replicas(
-    paths: Paths, view: SwarmView, rng: random.Random, even_within: float = EVEN_WITHIN
+    paths: Paths,
+    view: SwarmView,
+    rng: random.Random,
+    even_within: float = EVEN_WITHIN,
+    link_slack_s: float = LINK_SLACK_S,
 ) -> Paths:
     """`paths` with the replicas of every replicated stage dealt out again over the microbatches that visit
     that stage: evenly over the replicas that cost alike, and evenly per data node.
 
     A plan is indifferent between replicas that cost alike (or prefers one by the noise in their measured
     speeds): with one data node of two microbatches it sent both through one replica of a stage, whose
-    partner then never trained. The replicas whose cost (`hop_cost`) is within `even_within` of the
-    stage's cheapest share the visits the plan gave them evenly; a replica that costs more (slow, or far
-    away) keeps the plan's load. An even share never exceeds the largest load the plan gave, so no memory
-    limit breaks.
+    partner then never trained. The replicas that cost alike (`alike_replicas`: compute within
+    `even_within` of the stage's cheapest, links within `even_within` or `link_slack_s` of its nearest)
+    share the visits the plan gave them evenly; a replica that costs more (slow, or far away) keeps the
+    plan's load. An even share never exceeds the largest load the plan gave, so no memory limit breaks.
 
     The deal is round robin: the replicas, in a random order, each take one visit in turn (while they have
     visits left), and the microbatches, grouped by data node in a random order, take the visits in that
@@ -89,6 +94,8 @@ def mix_replicas(
     node reaches every replica (NoLoCo wants the data of every data node mixed over all replicas)."""
     if not (math.isfinite(even_within) and even_within >= 1.0):
         raise LocalProtocolError(f"even_within must be a finite factor >= 1, got {even_within!r}")
+    if not (math.isfinite(link_slack_s) and link_slack_s >= 0.0):
+        raise LocalProtocolError(f"link_slack_s must be finite seconds >= 0, got {link_slack_s!r}")
     mixed = {mb: list(path) for mb, path in paths.items()}
     for stage in range(1, view.n_stages + 1):
         if len(view.stages[stage]) < 2:
@@ -100,7 +107,7 @@ def mix_replicas(
                 if view.stage_of[path[i]] == stage:
                     by_data[path[0]].append((mb, i))
                     loads[path[i]] += 1
-        loads = _evened(loads, {r: hop_cost(view, r) for r in loads}, even_within, rng)
+        loads = _evened(loads, alike_replicas(view, stage, even_within, link_slack_s), rng)
         replicas = sorted(r for r, load in loads.items() if load)
         rng.shuffle(replicas)
         deal: list[int] = []
@@ -120,21 +127,39 @@ def mix_replicas(
     return {mb: tuple(path) for mb, path in mixed.items()}
 
 
-def hop_cost(view: SwarmView, node: int) -> float:
-    """What one visit to `node` costs: its forward and backward compute and the mean link cost to and from
-    the nodes of the other stages."""
+def alike_replicas(view: SwarmView, stage: int, even_within: float, link_slack_s: float) -> list[int]:
+    """The replicas of `stage` that cost alike: compute (forward and backward) within `even_within` of the
+    stage's cheapest, and links (`link_cost`) within `even_within` or `link_slack_s` of its nearest.
+
+    Compute and links are judged apart because they are measured apart: a node announces its compute by
+    the CPU time of its compute thread, which a loaded machine moves little (equal replicas of two local
+    swarms sharing 2 cores at most 1.33x apart), while links are timed by the wall clock (a loaded peer
+    answers late). Judged together, a fresh 2x2 swarm beside another had a replica of stage 3 costed 1.54x
+    its partner, by links timed 70 ms dearer; it kept the plan's uneven load, and which replica trained
+    on which microbatch (with it the model) followed the timing. A link's cost enters an iteration about
+    once per pass through it (the microbatches are in flight together), so the slack costs an iteration at
+    most a few times itself where a replica really is that much farther."""
+    replicas = view.stages[stage]
+    compute = {r: view.forward_s[r] * (1.0 + view.backward_factor) for r in replicas}
+    links = {r: link_cost(view, r) for r in replicas}
+    cheapest, nearest = min(compute.values()), min(links.values())
+    link_limit = max(nearest * even_within, nearest + link_slack_s)
+    return sorted(r for r in replicas if compute[r] <= cheapest * even_within and links[r] <= link_limit)
+
+
+def link_cost(view: SwarmView, node: int) -> float:
+    """The mean link cost of one visit to `node`: to and from the nodes of the other stages."""
     others = [v for v in range(len(view.forward_s)) if view.stage_of[v] != view.stage_of[node]]
-    links = sum(view.link_s[v][node] + view.link_s[node][v] for v in others) / max(1, len(others))
-    return view.forward_s[node] * (1.0 + view.backward_factor) + links
+    return sum(view.link_s[v][node] + view.link_s[node][v] for v in others) / max(1, len(others))
 
 
-def _evened(
-    loads: dict[int, int], costs: dict[int, float], even_within: float, rng: random.Random
-) -> dict[int, int]:
-    """`loads` with the total of the replicas that cost alike spread evenly over them (the remainder to
-    replicas drawn at random); the others keep theirs."""
-    cheapest = min(costs.values())
-    alike = sorted(r for r in loads if costs[r] <= cheapest * even_within)
+def _evened(loads: dict[int, int], alike: list[int], rng: random.Random) -> dict[int, int]:
+    """`loads` with the total of the `alike` replicas spread evenly over them (the remainder to replicas
+    drawn at random); the others keep theirs (all of them, when none is alike: the cheapest in compute is
+    far away and the nearest slow)."""
+    if not alike:
+        return loads
+    alike = list(alike)
     total = sum(loads[r] for r in alike)
     share, extra = divmod(total, len(alike))
     rng.shuffle(alike)

@@ -285,6 +285,33 @@ def test_mixing_replicas_keeps_the_load_of_a_replica_that_costs_more() -> None:
         mix_replicas(lanes, view, random.Random(0), even_within=0.5)
 
 
+def test_mixing_replicas_evens_links_timed_apart_by_load_but_not_a_far_replica() -> None:
+    # a fresh 2x2 swarm on a loaded machine: equal compute (50 ms, not yet measured), and stage 2's replica
+    # 5 timed 90 ms a visit dearer on its links than replica 4 (1.67x its whole hop cost; 1.54x was
+    # measured): past 1.5x judged together, the plan's uneven load stayed and the deal followed the timing
+    stages = [[0, 1], [2, 3], [4, 5]]
+    for extra, even in ((0.045, True), (0.25, False)):  # each way: 90 ms, 500 ms a visit
+        view = SwarmView.build(stages, [0.05] * 6, lambda a, b, x=extra: 0.005 + (x if 5 in (a, b) else 0.0))
+        lanes = {0: (0, 2, 4, 0), 1: (0, 3, 4, 0), 2: (1, 2, 4, 1), 3: (1, 3, 5, 1)}
+        for seed in range(6):
+            stage_two = sorted(path[2] for path in mix_replicas(lanes, view, random.Random(seed)).values())
+            assert stage_two == ([4, 4, 5, 5] if even else [4, 4, 4, 5])
+        with_no_slack = mix_replicas(lanes, view, random.Random(0), link_slack_s=0.0)
+        assert sorted(path[2] for path in with_no_slack.values()) == [4, 4, 4, 5]
+    # a replica slow in compute keeps its load however near it is; one far and one slow: none alike
+    slow = SwarmView.build([[0], [1, 2]], [0.05, 0.05, 0.2], lambda a, b: 0.005)
+    lanes = {0: (0, 1, 0), 1: (0, 1, 0), 2: (0, 1, 0), 3: (0, 2, 0)}
+    assert sorted(p[1] for p in mix_replicas(lanes, slow, random.Random(0)).values()) == [1, 1, 1, 2]
+
+    def far_one(a: int, b: int) -> float:  # node 1 computes fastest but is far; node 2 is near but slow
+        return 0.005 + (0.5 if 1 in (a, b) else 0.0)
+
+    apart = SwarmView.build([[0], [1, 2]], [0.05, 0.01, 0.2], far_one)
+    assert sorted(p[1] for p in mix_replicas(lanes, apart, random.Random(0)).values()) == [1, 1, 1, 2]
+    with pytest.raises(LocalProtocolError):
+        mix_replicas(lanes, slow, random.Random(0), link_slack_s=-1.0)
+
+
 def test_planning_from_the_previous_plan_skips_the_constructions(monkeypatch: pytest.MonkeyPatch) -> None:
     view, rules = small_swarm()
     first = schedule(view, rules, 0, **QUICK)
