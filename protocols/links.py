@@ -37,6 +37,7 @@ MAX_LINK_SECONDS = 600.0
 SMALL_CALL_BYTES = 16 << 10  # a call whose request and reply together are this small times a round trip
 LARGE_REQUEST_BYTES = 64 << 10  # a request this large (with a small reply) times the link's bandwidth
 SAMPLES = 16  # recent samples kept per peer and kind
+TRUSTED_SAMPLES = 4  # samples of a kind before its least counts (the first calls to a peer meet it starting)
 MAX_PEERS = 256  # peers remembered (the least recently measured forgotten first)
 
 
@@ -148,7 +149,7 @@ class LinkEstimates:
         if sent + received <= SMALL_CALL_BYTES:
             self._rtt.setdefault(peer, deque(maxlen=SAMPLES)).append(seconds)
         elif sent >= LARGE_REQUEST_BYTES and received <= SMALL_CALL_BYTES:
-            rtt = self.round_trip_s(peer) or 0.0
+            rtt = min(self._rtt.get(peer) or (0.0,))
             per_byte = self._per_byte.setdefault(peer, deque(maxlen=SAMPLES))
             per_byte.append(max(0.0, seconds - rtt) / sent)
         else:
@@ -162,22 +163,31 @@ class LinkEstimates:
             self._per_byte.pop(next(iter(self._per_byte)))
 
     def round_trip_s(self, peer: str) -> float | None:
+        """The least of the recent round trips to `peer`; None before `TRUSTED_SAMPLES` of them.
+
+        The first calls to a peer meet it (or this node) starting: importing, building its model, taking
+        its first microbatches. In fresh local swarms on a loaded 2-core machine, links timed by one or
+        two such calls made two replicas of a stage up to a second apart in mean link cost, where later
+        reads had them within a tenth of one, and the deal of microbatches between replicas
+        (`protocols.skippipe.mix_replicas`) followed those first timings."""
         samples = self._rtt.get(peer)
-        return min(samples) if samples else None
+        return min(samples) if samples and len(samples) >= TRUSTED_SAMPLES else None
 
     def send_s(self, peer: str, nbytes: int) -> float | None:
         """Seconds to deliver `nbytes` to `peer`: half a round trip plus the bytes at the measured rate
-        (the round trip alone while no large request was timed); None before any round trip."""
+        (the round trip alone until `TRUSTED_SAMPLES` large requests were timed); None until the round
+        trip is known (`round_trip_s`)."""
         rtt = self.round_trip_s(peer)
         if rtt is None:
             return None
         per_byte = self._per_byte.get(peer)
-        return rtt / 2 + (nbytes * min(per_byte) if per_byte else 0.0)
+        trusted = per_byte is not None and len(per_byte) >= TRUSTED_SAMPLES
+        return rtt / 2 + (nbytes * min(per_byte) if trusted else 0.0)
 
     def without_round_trip(self) -> list[str]:
-        """Peers this node sent large requests to (hops) but never timed a small call with: their links
-        cost nothing in `link_costs` until a ping (any small call) gives a round trip."""
-        return [peer for peer in self._per_byte if peer not in self._rtt]
+        """Peers this node sent large requests to (hops) but has not timed enough small calls with
+        (`round_trip_s`): their links cost nothing in `link_costs` until pings give a round trip."""
+        return [peer for peer in self._per_byte if self.round_trip_s(peer) is None]
 
     def recent(self, count: int) -> list[str]:
         """The `count` peers with a round trip measured most recently, most recent first."""

@@ -52,11 +52,13 @@ def test_a_job_not_measured_leaves_busy_seconds_alone() -> None:
     assert before == 0.0 and after >= 0.1
 
 
-def test_throughput_is_measured_after_the_first_microbatches_and_over_as_many_more() -> None:
-    meter = ThroughputMeter(skip=4)
+def test_throughput_is_measured_after_the_first_microbatches_and_over_a_window() -> None:
+    meter = ThroughputMeter(skip=4, window=6)
     assert meter.rate(served=3, tokens=300, busy_seconds=9.0) == 0.0  # warming up
     assert meter.rate(served=4, tokens=400, busy_seconds=10.0) == 0.0  # measuring begins here
-    assert meter.rate(served=7, tokens=700, busy_seconds=11.0) == 0.0  # three of four
-    assert meter.rate(served=8, tokens=800, busy_seconds=12.0) == 200.0  # 400 tokens in 2 s: not 800 in 12
-    with pytest.raises(ValueError):
-        ThroughputMeter(skip=0)
+    assert meter.rate(served=9, tokens=900, busy_seconds=11.0) == 0.0  # five of six
+    assert meter.rate(served=10, tokens=1000, busy_seconds=13.0) == 200.0  # 600 tokens in 3 s, not 1000 in 13
+    assert meter.rate(served=12, tokens=1200, busy_seconds=13.0) == 800 / 3  # then over all since
+    for skip, window in ((0, 4), (4, 0)):
+        with pytest.raises(ValueError):
+            ThroughputMeter(skip=skip, window=window)

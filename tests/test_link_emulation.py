@@ -19,7 +19,7 @@ import uvloop
 from hivemind.p2p import P2P, PeerID
 from transport_harness import DIRECT, LIBP2P, echo, new_p2p, p2pd_children
 
-from protocols.links import LinkEstimates, parse_network
+from protocols.links import TRUSTED_SAMPLES, LinkEstimates, parse_network
 from swarmnode.transport import LinkEmulator, Transport
 
 T = TypeVar("T")
@@ -151,7 +151,7 @@ def test_calls_measure_the_link(sites: Sites) -> None:
     sites.emulate(True)
 
     async def calls() -> None:
-        for _ in range(3):
+        for _ in range(TRUSTED_SAMPLES):
             await caller.call(server, "echo", b"ping", [], 10.0)
             await caller.call(server, "sink", b"", [PAYLOAD], 10.0)
 

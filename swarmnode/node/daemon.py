@@ -49,11 +49,12 @@ from swarmnode.transport import Compression, Reply
 
 logger = logging.getLogger(__name__)
 
-LINK_PROBE_S = 5.0  # how often a node pings the peers it sent hops to without a round trip measured
+LINK_PROBE_S = 1.0  # how often a node pings the peers it sent hops to without a round trip known
 MAX_LINK_PROBES = 16  # pings per probe
 
 VIEW_GRACE_TTLS = 2  # a peer missing from the latest read is still routed to for this many record TTLs
-MEASURED_AFTER = 8  # microbatches a node serves before it measures its throughput, and measures it over
+MEASURED_AFTER = 8  # microbatches a node serves before it measures its throughput
+MEASURED_OVER = 16  # microbatches it measures over before it tells (then over all since)
 
 
 class Node(ABC):
@@ -85,7 +86,7 @@ class Node(ABC):
         self.microbatches_lost = 0
         self.microbatches_served = 0  # backward passes completed here
         self.tokens_processed = 0
-        self._throughput = ThroughputMeter(MEASURED_AFTER)
+        self._throughput = ThroughputMeter(MEASURED_AFTER, MEASURED_OVER)
         self.last_loss: float | None = None
         self.recovery: tuple[str, float] | None = None
         self.rng = random.Random(f"{spec.seed}/{self.me}")

@@ -18,6 +18,7 @@ from protocols.links import (
     MAX_LINK_SECONDS,
     MAX_PEERS,
     SAMPLES,
+    TRUSTED_SAMPLES,
     Link,
     LinkEstimates,
     Pacer,
@@ -157,12 +158,16 @@ def test_pacer_refuses_bad_input() -> None:
 def test_estimates_take_the_fastest_recent_calls() -> None:
     estimates = LinkEstimates()
     assert estimates.send_s("far", 1 << 20) is None
-    for seconds in (0.21, 0.2, 5.0):  # one call waited on its peer: it does not count
+    for seconds in (2.0, 0.21, 0.2):  # the first call met the peer starting: too few to tell yet
         estimates.observe("far", 100, 10, seconds)
-    assert estimates.round_trip_s("far") == pytest.approx(0.2)
+    assert estimates.round_trip_s("far") is None and estimates.send_s("far", 1 << 20) is None
+    estimates.observe("far", 100, 10, 5.0)  # one call waited on its peer: it does not count
+    assert TRUSTED_SAMPLES == 4 and estimates.round_trip_s("far") == pytest.approx(0.2)
     assert estimates.send_s("far", 1 << 20) == pytest.approx(0.1)  # no large request timed yet
-    estimates.observe("far", 1 << 20, 10, 0.2 + 1.0)  # 1 MiB in 1 s past the round trip
-    estimates.observe("far", 1 << 20, 10, 0.2 + 3.0)  # queued behind another transfer
+    for seconds in (9.0, 3.0, 1.0):  # 1 MiB in 1 s past the round trip, the others queued or starting
+        estimates.observe("far", 1 << 20, 10, 0.2 + seconds)
+    assert estimates.send_s("far", 1 << 19) == pytest.approx(0.1)  # three large requests: the trip alone
+    estimates.observe("far", 1 << 20, 10, 0.2 + 3.0)
     assert estimates.send_s("far", 1 << 19) == pytest.approx(0.1 + 0.5)
     estimates.observe("far", 1 << 20, 1 << 20, 0.01)  # large both ways: neither kind
     assert estimates.send_s("far", 1 << 19) == pytest.approx(0.1 + 0.5)
@@ -178,9 +183,11 @@ def test_estimates_take_the_fastest_recent_calls() -> None:
 def test_a_record_carries_the_links_measured_last() -> None:
     estimates = LinkEstimates()
     for i in range(MAX_LINK_COSTS + 2):
-        estimates.observe(f"peer{i}", 100, 10, 0.02)
-    estimates.observe("far", 100, 10, 2 * MAX_LINK_SECONDS)  # capped at what a record may carry
-    estimates.observe("x" * (MAX_LINK_PEER_CHARS + 1), 100, 10, 0.02)  # no peer id: left out
+        for _ in range(TRUSTED_SAMPLES):
+            estimates.observe(f"peer{i}", 100, 10, 0.02)
+    for _ in range(TRUSTED_SAMPLES):
+        estimates.observe("far", 100, 10, 2 * MAX_LINK_SECONDS)  # capped at what a record may carry
+        estimates.observe("x" * (MAX_LINK_PEER_CHARS + 1), 100, 10, 0.02)  # no peer id: left out
     costs = estimates.link_costs(hop_bytes=1 << 20)
     assert [c.peer for c in costs][:2] == ["far", f"peer{MAX_LINK_COSTS + 1}"]
     assert len(costs) == MAX_LINK_COSTS - 1  # the most recent MAX_LINK_COSTS, less the one too long
@@ -190,7 +197,8 @@ def test_a_record_carries_the_links_measured_last() -> None:
 def test_estimates_forget_the_least_recent_peers() -> None:
     estimates = LinkEstimates()
     for i in range(MAX_PEERS + 3):
-        estimates.observe(f"peer{i}", 10, 10, 0.01)
+        for _ in range(TRUSTED_SAMPLES):
+            estimates.observe(f"peer{i}", 10, 10, 0.01)
     assert estimates.round_trip_s("peer0") is None and estimates.round_trip_s(f"peer{MAX_PEERS + 2}") == 0.01
     assert len(estimates.recent(10 * MAX_PEERS)) == MAX_PEERS
 
@@ -198,9 +206,13 @@ def test_estimates_forget_the_least_recent_peers() -> None:
 def test_a_peer_sent_only_hops_waits_for_a_round_trip() -> None:
     estimates = LinkEstimates()
     estimates.observe("next", 1 << 20, 10, 0.5)  # a hop: a large request, a small acknowledgement
-    estimates.observe("near", 100, 10, 0.002)
+    for _ in range(TRUSTED_SAMPLES):
+        estimates.observe("near", 100, 10, 0.002)
     assert estimates.without_round_trip() == ["next"]
     assert [c.peer for c in estimates.link_costs(hop_bytes=1 << 20)] == ["near"]  # no cost for "next" yet
-    estimates.observe("next", 100, 10, 0.3)  # a ping
+    for _ in range(TRUSTED_SAMPLES - 1):
+        estimates.observe("next", 100, 10, 0.3)  # pings
+    assert estimates.without_round_trip() == ["next"]  # too few yet
+    estimates.observe("next", 100, 10, 0.3)
     assert estimates.without_round_trip() == []
     assert {c.peer for c in estimates.link_costs(hop_bytes=1 << 20)} == {"near", "next"}
