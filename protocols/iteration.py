@@ -11,11 +11,14 @@ path may take aborts only from the peers it knows. The iteration closes when eve
 lost, or at its deadline (what is pending then is lost); from then on every message about it is stale, and
 no late work touches the gradients (`awaits_loss` and `may_apply` say no).
 
-While it waits, the data node pings the peers on the paths of pending microbatches (`Tick` -> `Ping`); a
-microbatch whose path still holds a peer `dead_grace_s` after that peer was found dead (at once if it could
-not even be reached) was held by it and is lost. One re-routed around the peer no longer has it on its path
-(`RouteNotice`), and comes back; the peers a re-route left out are suspected (`Suspect`), so the next plans
-go around them too.
+While it waits, the data node pings the peers on the paths of pending microbatches (`Tick` -> `Ping`). A
+peer silent for `dead_grace_s` (every ping since the first it missed; at once if it could not even be
+reached) is dead: it is suspected (`Suspect`), so the next plans go around it, and a microbatch whose path
+still holds it was held by it and is lost. A peer that answers again within the grace was only slow (a
+loaded machine, a NoLoCo round) and is neither: suspected at its first missed ping, a live replica dropped
+out of the next plan, its data node sent half the microbatches for that step, and the run's outcome
+depended on the machine's load. One microbatch re-routed around a peer no longer has it on its path
+(`RouteNotice`), and comes back; the peers a re-route left out are suspected too.
 """
 
 from __future__ import annotations
@@ -138,7 +141,8 @@ class DataIteration:
         self.deadline: float | None = None  # set by `Start`
         self.outcome: IterationOutcome | None = None  # set on closing; never changes after
         self._microbatches = {i: _Microbatch(tuple(paths[i]), nonces[i]) for i in sorted(paths)}
-        self._dead_since: dict[str, float] = {}
+        self._silent_since: dict[str, float] = {}  # peer -> when it first missed a ping (unanswered since)
+        self._suspected: set[str] = set()  # the peers found dead
         self._reroutes = 0
 
     # ---- questions ---------------------------------------------------------------------------------------
@@ -272,19 +276,23 @@ class DataIteration:
             actions = tuple(a for i in pending for a in self._lose(i, "iteration timed out"))
             return (*actions, self._close(timed_out=True))
         peers = {p for mb in self._microbatches.values() if mb.watched for p in mb.path}
-        peers -= {self.me, *self._dead_since}
+        peers -= {self.me, *self._suspected}
         return (Ping(tuple(sorted(peers))),) if peers else ()
 
     def _checked(self, now: float, silent: frozenset[str], unreachable: frozenset[str]) -> tuple[Action, ...]:
-        """Silent peers are dead from `now` on; microbatches held by a peer dead for the grace are lost. The
-        grace waits for a re-route around a peer that may only be slow; an unreachable peer is gone, and a
-        microbatch still on a path through it is lost at once: waiting for its re-route cost the swarm up to
-        2 s after each kill, and with one replica of the stage a re-route only skips the stage."""
-        actions: list[Action] = []
-        for peer in sorted(silent - self._dead_since.keys() - {self.me}):
-            self._dead_since[peer] = now - self.dead_grace_s if peer in unreachable else now
-            actions.append(Suspect(peer))
-        dead = {peer for peer, since in self._dead_since.items() if now - since >= self.dead_grace_s}
+        """Peers silent since their first missed ping are dead once that is `dead_grace_s` ago; the grace
+        waits for a peer that is only slow to answer again, or for a re-route around it. An unreachable peer
+        is gone: dead at once (waiting for the re-route of a microbatch through it cost the swarm up to 2 s
+        after each kill, and with one replica of the stage a re-route only skips the stage). The dead are
+        suspected, and the microbatches they hold are lost."""
+        for peer in [p for p in self._silent_since if p not in silent and p not in self._suspected]:
+            del self._silent_since[peer]  # it answered: only slow
+        for peer in silent - {self.me}:
+            since = self._silent_since.get(peer, now)
+            self._silent_since[peer] = min(since, now - self.dead_grace_s) if peer in unreachable else since
+        dead = {peer for peer, since in self._silent_since.items() if now - since >= self.dead_grace_s}
+        actions: list[Action] = [Suspect(peer) for peer in sorted(dead - self._suspected)]
+        self._suspected |= dead
         for index, mb in self._microbatches.items():
             held_by = sorted(dead & set(mb.path))
             if held_by and mb.watched:

@@ -300,6 +300,7 @@ class DataNode(Node):
                 )
                 self.spawn(abort, "abort")
             elif isinstance(action, Suspect):
+                logger.info("planning around %s a while: found dead, or routed around", action.peer[-8:])
                 self.router.suspect(action.peer)
             elif isinstance(action, Ping):
                 now = time.monotonic()
