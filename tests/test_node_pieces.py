@@ -195,6 +195,15 @@ def test_a_suspect_missing_from_the_latest_read_is_dropped_and_one_still_in_it_i
     assert remembered.update(read, now=2.0).online(2) == ["b2"]  # forgotten, not merely suspected
 
 
+def test_every_read_observed_counts_not_only_those_a_plan_looked_at() -> None:
+    # a data node reads the DHT every second and plans every few: a replica in the reads between two plans
+    # and missing from the one the plan saw was left out of the swarm's first step
+    remembered = RememberedView(grace_s=8.0)
+    remembered.observe(swarm_read(s0=("d",), s2=("b", "b2")), now=0.0)  # the start check's read
+    remembered.observe(swarm_read(s0=("d",), s2=("b",)), now=4.0)
+    assert remembered.update(swarm_read(s0=("d",), s2=("b",)), now=5.0).online(2) == ["b", "b2"]
+
+
 def test_a_read_seen_before_renews_nothing() -> None:
     remembered = RememberedView(grace_s=8.0)
     read = swarm_read(s0=("d",), s2=("b",))

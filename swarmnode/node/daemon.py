@@ -35,7 +35,7 @@ from swarmnode.node.compute import ComputeQueue, ThroughputMeter, compute_clock
 from swarmnode.node.context import BAN_SECONDS, NodeContext
 from swarmnode.node.events import emit
 from swarmnode.node.greetings import Greetings
-from swarmnode.node.liveness import answering
+from swarmnode.node.liveness import MATCHING_PING_TIMEOUT_S, answering
 from swarmnode.node.planning import RememberedView, SwarmRead
 from swarmnode.node.router import Router
 from swarmnode.node.serving import StateServer
@@ -52,7 +52,10 @@ logger = logging.getLogger(__name__)
 LINK_PROBE_S = 1.0  # how often a node pings the peers it sent hops to without a round trip known
 MAX_LINK_PROBES = 16  # pings per probe
 
-VIEW_GRACE_TTLS = 2  # a peer missing from the latest read is still routed to for this many record TTLs
+# a peer missing from the latest reads is still planned with for this many record TTLs: with 2 (8 s), three
+# local swarms on two cores lost a live replica from a data node's view for a step, which then fed one
+# pipeline instead of two. A peer really gone is dropped sooner, by the calls and pings that fail to reach it.
+VIEW_GRACE_TTLS = 4
 MEASURED_AFTER = 8  # microbatches a node serves before it measures its throughput
 MEASURED_OVER = 16  # microbatches it measures over before it tells (then over all since)
 
@@ -215,6 +218,7 @@ class Node(ABC):
 
     async def refresh_swarm_read(self) -> None:
         self.swarm_read = SwarmRead(await self.dht.read_swarm(self.spec.stages))
+        self._remembered.observe(self.swarm_read, time.monotonic())
         peers = [peer for peers in self.swarm_read.stages.values() for peer in peers]
         listed = {peer.peer_id: relays_of(peer.record.addrs) for peer in peers if peer.record.addrs}
         self.transport.set_relays({PeerID.from_base58(peer): relays for peer, relays in listed.items()})
@@ -372,7 +376,7 @@ class Node(ABC):
         outer = self.outer.take_due(self.optimizer.step_count)
         if outer is not None:
             replicas = [p for p in self.router.online(self.stage) if p != self.me]
-            live = partial(answering, self.transport, stage=self.stage)
+            live = partial(answering, self.transport, stage=self.stage, timeout_s=MATCHING_PING_TIMEOUT_S)
             self.spawn(self.outer.run(outer, [*replicas, self.me], time.monotonic, live), "noloco")
 
     async def tick(self, clock: int) -> None:

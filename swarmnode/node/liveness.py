@@ -13,13 +13,18 @@ from swarmnode.node.planning import SwarmRead
 from swarmnode.transport import PeerUnreachable, Transport, TransportError
 
 PING_TIMEOUT_S = 1.0  # over libp2p's connection (`direct=False`): a NAT'ed peer's first direct dial takes 3 s
+# Who answers when a NoLoCo matching is drawn: a replica busy with its own round on a loaded machine (three
+# local swarms on two cores) missed a 1 s ping, sat out the round, and its partner's exchange found it alone.
+MATCHING_PING_TIMEOUT_S = 4.0
 
 
-async def ping(transport: Transport, peer: str, stage: int | None = None) -> bool:
-    """Whether `peer` answers now (and, if `stage` is given, serves that stage)."""
+async def ping(
+    transport: Transport, peer: str, stage: int | None = None, timeout_s: float = PING_TIMEOUT_S
+) -> bool:
+    """Whether `peer` answers within `timeout_s` (and, if `stage` is given, serves that stage)."""
     try:
         reply, _ = await transport.call(
-            PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=PING_TIMEOUT_S, direct=False
+            PeerID.from_base58(peer), Rpc.PING, b"", [], timeout=timeout_s, direct=False
         )
         answer = decode(reply, Pong)
     except (TransportError, ProtocolError, ValueError):
@@ -49,9 +54,11 @@ async def _ping_outcome(transport: Transport, peer: str) -> str:
     return "answered"
 
 
-async def answering(transport: Transport, peers: list[str], stage: int | None = None) -> list[str]:
-    """The peers among `peers` that answer a ping now (serving `stage`, if given)."""
-    answers = await asyncio.gather(*(ping(transport, p, stage) for p in peers))
+async def answering(
+    transport: Transport, peers: list[str], stage: int | None = None, timeout_s: float = PING_TIMEOUT_S
+) -> list[str]:
+    """The peers among `peers` that answer a ping within `timeout_s` (serving `stage`, if given)."""
+    answers = await asyncio.gather(*(ping(transport, p, stage, timeout_s) for p in peers))
     return [p for p, alive in zip(peers, answers, strict=True) if alive]
 
 

@@ -97,21 +97,29 @@ class RememberedView:
         self._records: dict[tuple[str, int], PeerRecord] = {}
         self._last_read: SwarmRead | None = None
 
+    def observe(self, read: SwarmRead, now: float) -> None:
+        """A read of the DHT, made at `now` (a read already seen renews no sighting). The node observes every
+        read it makes, not only those a plan looks at: a data node plans every few seconds and reads every
+        second, and a replica shown by the reads between two plans, missing from the one a plan saw, was
+        left out of its first step (one pipeline's microbatches instead of two)."""
+        if read is self._last_read:
+            return
+        self._last_read = read
+        sightings = [
+            (peer.peer_id, stage, peer.record.state == NodeState.ONLINE)
+            for stage, peers in read.stages.items()
+            for peer in peers
+        ]
+        self._sightings.observe(sightings, now)
+        for stage, peers in read.stages.items():
+            for peer in peers:
+                if peer.record.state == NodeState.ONLINE:
+                    self._records[(peer.peer_id, stage)] = peer
+
     def update(self, latest: SwarmRead, now: float, suspects: Collection[str] = ()) -> SwarmRead:
-        """The view at `now`; `latest` is the latest read (a read already seen renews no sighting). Peers in
-        `suspects` (calls to them failed) that the latest read lacks are forgotten."""
-        if latest is not self._last_read:
-            self._last_read = latest
-            read = [
-                (peer.peer_id, stage, peer.record.state == NodeState.ONLINE)
-                for stage, peers in latest.stages.items()
-                for peer in peers
-            ]
-            self._sightings.observe(read, now)
-            for stage, peers in latest.stages.items():
-                for peer in peers:
-                    if peer.record.state == NodeState.ONLINE:
-                        self._records[(peer.peer_id, stage)] = peer
+        """The view at `now`; `latest` is the latest read (`observe`d if new). Peers in `suspects` (calls to
+        them failed) that the latest read lacks are forgotten."""
+        self.observe(latest, now)
         in_read = {peer.peer_id for peers in latest.stages.values() for peer in peers}
         self._sightings.forget(peer for peer in suspects if peer not in in_read)
         present = self._sightings.present(now)
@@ -179,6 +187,13 @@ def plan_iteration(
     except LocalProtocolError:
         plan = full_pipeline_plan(view, rules)
     paths = mix_replicas(plan.paths, view, random.Random(seed))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "iteration %d: forward s %s; paths %s",
+            iteration,
+            [f"{peers[n][-6:]}={s:.3g}" for n, s in enumerate(forward_s)],
+            [[peers[n][-6:] for n in path[1:-1]] for _, path in sorted(paths.items())],
+        )
 
     mine = data_nodes.index(me)
     first = mine * per_data_node
