@@ -20,6 +20,7 @@ every step instead of splitting a fixed batch into noisier updates.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -188,10 +189,17 @@ def plan_iteration(
         plan = full_pipeline_plan(view, rules)
     paths = mix_replicas(plan.paths, view, random.Random(seed))
     if logger.isEnabledFor(logging.DEBUG):
+        hops = itertools.pairwise(view_stages)
         logger.debug(
-            "iteration %d: forward s %s; paths %s",
+            "iteration %d: forward s %s; links s %s; paths %s",
             iteration,
             [f"{peers[n][-6:]}={s:.3g}" for n, s in enumerate(forward_s)],
+            [
+                f"{peers[a][-6:]}>{peers[b][-6:]}={view.link_s[a][b]:.3g}"
+                for here, there in hops
+                for a in here
+                for b in there
+            ],
             [[peers[n][-6:] for n in path[1:-1]] for _, path in sorted(paths.items())],
         )
 
