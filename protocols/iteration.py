@@ -15,9 +15,9 @@ While it waits, the data node pings the peers on the paths of pending microbatch
 peer silent for `dead_grace_s` (every ping since the first it missed; at once if it could not even be
 reached) is dead: it is suspected (`Suspect`), so the next plans go around it, and a microbatch whose path
 still holds it was held by it and is lost. A peer that answers again within the grace was only slow (a
-loaded machine, a NoLoCo round) and is neither: suspected at its first missed ping, a live replica dropped
-out of the next plan, its data node sent half the microbatches for that step, and the run's outcome
-depended on the machine's load. One microbatch re-routed around a peer no longer has it on its path
+loaded machine, a NoLoCo round), neither suspected nor dead. (Suspected at its first missed ping, a live
+replica left the next plan, its data node sent half the microbatches for that step, and the run's outcome
+followed the machine's load.) A microbatch re-routed around a peer no longer has it on its path
 (`RouteNotice`), and comes back; the peers a re-route left out are suspected too.
 """
 
