@@ -133,7 +133,10 @@ def test_pipeline_of_three_stages_trains(swarm: LocalTestSwarm) -> None:
 
 @pytest.mark.timeout(170)
 def test_two_replicas_share_work_and_pair_with_noloco(swarm: LocalTestSwarm) -> None:
-    stage_nodes = start_stages(swarm, [1, 2, 2, 3], steps=16, microbatches=4, noloco_every=4)
+    # 24 steps: a replica here serves 2 microbatches a step and tells its throughput after 24 (step 12,
+    # `MEASURED_AFTER` + `MEASURED_OVER`); with 16 steps the watcher's snapshots, 2 s apart, often first saw
+    # both replicas' throughput at the last step, and then no step advanced
+    stage_nodes = start_stages(swarm, [1, 2, 2, 3], steps=24, microbatches=4, noloco_every=4)
     rep_a, rep_b = stage_nodes[1:3]
     replicas = {peer_id(rep_a): rep_a, peer_id(rep_b): rep_b}
     data = join_data_node(swarm)
@@ -170,9 +173,9 @@ def test_two_replicas_share_work_and_pair_with_noloco(swarm: LocalTestSwarm) -> 
 
     finished = data.wait_event("finished", 150)
     stop.touch()
-    assert finished["step"] == 16 and finished["microbatches_lost"] == 0
+    assert finished["step"] == 24 and finished["microbatches_lost"] == 0
     paths = [tuple(path) for e in data.events("step") for path in e["paths"]]
-    assert len(paths) == 4 * 16 and all(sorted(p) == [0, 0, 1, 2, 3] for p in paths), set(paths)
+    assert len(paths) == 4 * 24 and all(sorted(p) == [0, 0, 1, 2, 3] for p in paths), set(paths)
 
     # NoLoCo: the replicas paired with each other in the same outer step(s). A replica steps once per batch
     # of work routed through it, so its step count (and with it its outer steps, every 4 of its steps) may
