@@ -13,8 +13,8 @@ from swarmnode.node.planning import SwarmRead
 from swarmnode.transport import PeerUnreachable, Transport, TransportError
 
 PING_TIMEOUT_S = 1.0  # over libp2p's connection (`direct=False`): a NAT'ed peer's first direct dial takes 3 s
-# Who answers when a NoLoCo matching is drawn: a replica busy with its own round on a loaded machine (three
-# local swarms on two cores) missed a 1 s ping, sat out the round, and its partner's exchange found it alone.
+# Who answers when a NoLoCo matching is drawn: on a loaded machine (three local swarms on two cores) a replica
+# busy with its own round can take over 1 s to answer; left out of its partner's matching, the pair splits.
 MATCHING_PING_TIMEOUT_S = 4.0
 
 
