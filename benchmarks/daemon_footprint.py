@@ -8,11 +8,12 @@ each:
 - `training`: a data node trains (sampling starts at its third step);
 - `after`: the data node stopped again (stage nodes that trained, idle).
 
-Each daemon is a process group (its own session): the node (the group's leader, `python -m swarmnode`),
-hivemind's DHT process (forked by the node) and p2pd (libp2p daemon, shared by the DHT and the transport).
+Each daemon is a process group (its own session): the node (the group's leader, `python -m swarmnode`) and
+p2pd (libp2p daemon, shared by the DHT and the transport); before the DHT ran in a thread of the node
+(`swarmnode/dht_thread.py`), also hivemind's DHT process (forked by the node: kind `dht`).
 For every process: CPU as core-seconds per second (utime + stime from /proc/PID/stat over the phase), RSS
 and PSS (means of one sample a second, /proc/PID/statm and smaps_rollup; PSS splits shared pages among
-their sharers, so it adds up where RSS counts the pages the DHT process shares with the node twice). The
+their sharers, so it adds up where RSS counts the pages a forked DHT process shares with the node twice). The
 table sums each process kind over the daemons; `per daemon` is that sum over the number of daemons.
 
 `--tree DIR` runs the swarm's daemons from another checkout (e.g. an older commit,

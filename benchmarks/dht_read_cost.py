@@ -1,13 +1,13 @@
 """What one read of the swarm costs as the swarm grows: time, CPU and bytes of `SwarmDHT.read_swarm` with N
 signed node records spread over S + 1 stage keys, on real DHT peers on loopback.
 
-`--replicas` DHT peers (each its own DHT process and p2pd) hold every record in their storage, as the
-replicas of the stage keys do in a swarm (hivemind stores each key on 5 peers); one more peer reads. Each
+`--replicas` DHT peers (each a DHT thread of this process and its p2pd) hold every record in their storage, as
+the replicas of the stage keys do in a swarm (hivemind stores each key on 5 peers); one more peer reads. Each
 record is a typical training node's (4 measured links), signed by its own Ed25519 identity, so the reader
 checks every signature as a daemon does. For each N: the first read (every signature new to the reader,
 as when every record changed since the last read, which is the case while training) and the median of
 `--reads` later ones (the signatures already checked, as at idle), against the read before batching (one
-DHT lookup per stage key, `--per-key`, in the same run), with the CPU seconds the reader's DHT process and
+DHT lookup per stage key, `--per-key`, in the same run), with the CPU seconds the reader's DHT thread and
 p2pd and the replicas' spent per read.
 
     python benchmarks/dht_read_cost.py --records 100 1000 10000 --stages 16
@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import pickle
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import hivemind
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
@@ -68,42 +65,34 @@ def signed_records(count: int, stages: int) -> list[tuple[str, bytes, bytes, flo
     return out
 
 
-async def _hold(path: str, _dht: hivemind.DHT, node: DHTNode) -> int:
-    """Run in a replica's DHT process: put the records pickled in `path` in its storage, as stores would
-    (passed by file: hivemind's DHT process fails to read a message longer than its pipe's atomic write)."""
-    entries = pickle.loads(Path(path).read_bytes())
+async def _hold(entries: list[tuple[str, bytes, bytes, float]], node: DHTNode) -> int:
+    """Run on a replica's DHT thread: put `entries` in its storage, as stores would."""
     for key, subkey, value, expiry in entries:
         node.protocol.storage.store_subkey(DHTID.generate(source=key), subkey, value, expiry)
     return len(entries)
 
 
-def cpu_seconds(pids: list[int]) -> float:
+def cpu_seconds(stats: list[Path]) -> float:
+    """User + system seconds of the threads and processes whose /proc stat files are `stats`."""
     total = 0.0
-    for pid in pids:
-        rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    for stat in stats:
+        rest = stat.read_text().rsplit(")", 1)[1].split()
         total += (int(rest[11]) + int(rest[12])) / _TICK
     return total
 
 
-def processes(dht: SwarmDHT) -> list[int]:
-    """The DHT process of `dht` and its children (p2pd)."""
-    pid = dht.dht.pid
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry))
-    return [pid, *children]
+def workers(dht: SwarmDHT) -> list[Path]:
+    """The /proc stat files of `dht`'s thread (in this process) and of its p2pd."""
+    return [Path(f"/proc/self/task/{dht.thread.native_id}/stat"), Path(f"/proc/{dht.p2pd_pid}/stat")]
 
 
 async def per_key(dht: SwarmDHT, stages: int) -> int:
     """The read before batching: one latest lookup per stage key, concurrently; the records found."""
     found = await asyncio.gather(
-        *(dht.dht.get(stage_key(RUN, k), latest=True, return_future=True) for k in range(stages + 1))
+        *(
+            dht.thread.call(partial(DHTNode.get, key=stage_key(RUN, k), latest=True))
+            for k in range(stages + 1)
+        )
     )
     return sum(len(f.value) for f in found if f is not None and isinstance(f.value, dict))
 
@@ -113,7 +102,7 @@ async def batched(dht: SwarmDHT, stages: int) -> int:
 
 
 async def measure(
-    read: Callable[[], Awaitable[int]], reader: list[int], replicas: list[int], reads: int
+    read: Callable[[], Awaitable[int]], reader: list[Path], replicas: list[Path], reads: int
 ) -> dict[str, Any]:
     """The first read, then the medians of `reads` more: seconds, CPU of reader and replicas, records."""
     rows = []
@@ -141,17 +130,14 @@ async def one_size(count: int, stages: int, replicas: int, reads: int) -> dict[s
     holders += [SwarmDHT(RUN, holders[0].visible_maddrs()) for _ in range(replicas - 1)]
     out: dict[str, Any] = {"records": count, "stages": stages, "record_bytes": size}
     try:
-        with tempfile.TemporaryDirectory(prefix="dht-read-cost-") as folder:
-            path = Path(folder) / "records.pickle"
-            path.write_bytes(pickle.dumps(entries))
-            for holder in holders:
-                await holder.dht.run_coroutine(partial(_hold, str(path)), return_future=True)
-        replica_pids = [pid for h in holders for pid in processes(h)]
+        for holder in holders:
+            await holder.thread.call(partial(_hold, entries))
+        replica_stats = [stat for h in holders for stat in workers(h)]
         for mode, read in (("per_key", per_key), ("batched", batched)):
             reader = SwarmDHT(RUN, holders[0].visible_maddrs())  # a fresh reader: nothing checked yet
             try:
                 reading = partial(read, reader, stages)
-                out[mode] = await measure(reading, processes(reader), replica_pids, reads)
+                out[mode] = await measure(reading, workers(reader), replica_stats, reads)
             finally:
                 await reader.close()
     finally:

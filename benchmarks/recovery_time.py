@@ -3,7 +3,7 @@
 One loopback swarm (tests/swarm_harness.py: a bootstrap, stages 1..3 with one node each, one data node, one
 torch thread per daemon, the tiny preset with the default run settings) trains; each trial then
 
-1. SIGKILLs the whole process group (daemon, DHT process, p2pd) of the only node of `--stage` (default 2,
+1. SIGKILLs the whole process group (daemon, p2pd) of the only node of `--stage` (default 2,
    a middle stage: CheckFree; 1 or 3: CheckFree+ copy) and, at once, starts `swarmnode join --stage auto`;
 2. reads the replacement's events and the data node's `step` events, all stamped with unix time.
 

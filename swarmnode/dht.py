@@ -14,7 +14,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from hivemind.dht import DHT
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -23,6 +22,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from protocols.messages import NodeRecord, encode
 from swarmnode import msgpack_guard
+from swarmnode.dht_thread import DHTThread
 from swarmnode.hivemind_parts import p2pd_flags
 from swarmnode.identity import Identity
 from swarmnode.records import (
@@ -43,14 +43,15 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-DHT_CALL_TIMEOUT_S = 10.0  # every DHT call is bounded: a DHT process that died never answers
+DHT_CALL_TIMEOUT_S = 10.0  # every DHT call is bounded: a lookup whose peers stopped answering may not end
 # A store puts a value on the NUM_REPLICAS peers nearest its key (hivemind's default count); stores and reads
 # look for those peers with a beam that wide, not hivemind's default of 20 (every peer of a small swarm).
 NUM_REPLICAS = 5
+SHUTDOWN_TIMEOUT_S = 2.0  # for the DHT to leave and its p2pd to exit
 
 
 async def _bounded(future: Awaitable[T]) -> T:
-    """Await a DHT future for at most DHT_CALL_TIMEOUT_S: a DHT process that died never answers."""
+    """Await a DHT call for at most DHT_CALL_TIMEOUT_S."""
     return await asyncio.wait_for(future, DHT_CALL_TIMEOUT_S)
 
 
@@ -127,7 +128,7 @@ class Reach:
             raise ValueError("use_auto_relay needs use_relay")
 
     def p2p_kwargs(self, initial_peers: Sequence[str]) -> dict[str, Any]:
-        """Keyword arguments of `hivemind.DHT` (passed on to `hivemind.P2P.create`)."""
+        """Keyword arguments of `hivemind.P2P.create` (through `DHTNode.create`)."""
         kwargs: dict[str, Any] = {"use_relay": self.use_relay, "use_auto_relay": self.use_auto_relay}
         if self.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
@@ -188,11 +189,9 @@ def _start_failure(message: str, host: str, port: int) -> str:
     return f"the p2p daemon did not start: {why or message}"
 
 
-async def _latest_values(
-    keys: tuple[str, ...], _dht: DHT, node: DHTNode
-) -> dict[str, ValueWithExpiration[Any] | None]:
-    """Run in the DHT process (`DHT.run_coroutine`): the latest value of each key (as `DHT.get(latest=True)`
-    finds it), all keys in one traversal."""
+async def _latest_values(keys: tuple[str, ...], node: DHTNode) -> dict[str, ValueWithExpiration[Any] | None]:
+    """Run on the DHT's loop: the latest value of each key (as `DHTNode.get(latest=True)` finds it), all keys
+    in one traversal."""
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=NUM_REPLICAS)
     return {key: found[key] for key in keys}
 
@@ -205,13 +204,14 @@ def _entries(found: ValueWithExpiration[Any] | None) -> list[tuple[Any, ValueWit
 
 
 class SwarmDHT:
-    """One DHT peer (its own forked process and p2pd), with the run's validator installed.
+    """One DHT peer (a thread of this process, `DHTThread`, and its p2pd), with the run's validator installed.
 
     The node's key is read from `identity_path` (created there if missing, so the peer id survives
     restarts) or made fresh: p2pd takes it as its libp2p identity, and the validator signs this node's
     records with it. `run_owners` are the peer ids whose run definition this node
     accepts (by default the peers named in `initial_peers`: the bootstrap's address names the run's owner).
     `reach`: announced addresses and relays (`Reach`); by default hivemind's (relays used, none reserved).
+    `thread` runs the DHT node (`DHTThread.call` hands it a coroutine of the node).
     """
 
     def __init__(
@@ -228,7 +228,7 @@ class SwarmDHT:
     ) -> None:
         self.run_id = run_id
         self.reach = reach or Reach()
-        msgpack_guard.install()  # before the DHT process forks: hivemind's own handlers decode peer bytes
+        msgpack_guard.install()  # before the DHT starts: hivemind's own handlers decode peer bytes
         self.identity = Identity.load_or_create(identity_path) if identity_path else Identity.generate()
         self.run_owners = frozenset(run_owners) or frozenset(
             str(peer) for peer in map(_peer_id_of, initial_peers) if peer is not None
@@ -239,19 +239,16 @@ class SwarmDHT:
         flags = self.reach.p2pd_flags(initial_peers)
         with _identity_file(self.identity, identity_path) as key_file, p2pd_flags(flags):
             try:
-                self.dht = DHT(
+                self.thread = DHTThread(
+                    [SwarmRecordValidator(run_id, self.identity)],
                     initial_peers=list(initial_peers),
-                    start=True,
                     host_maddrs=[f"/ip4/{host}/tcp/{port}"],
                     nat_port_map=public,
                     client_mode=client_mode,
-                    record_validators=[SwarmRecordValidator(run_id, self.identity)],
                     identity_path=str(key_file),
                     # hivemind's check reads the key file as RSA only (`PeerID.from_identity`): with an
                     # Ed25519 identity every `join --identity` failed with "Could not deserialize key data"
                     check_if_identity_free=False,
-                    await_ready=True,
-                    shutdown_timeout=1.0,
                     # every read here asks for the latest value, so hivemind's background re-read of cached
                     # keys (due 5 s before they expire: at once for a 4 s record) is lookups for nothing
                     cache_refresh_before_expiry=0,
@@ -263,50 +260,55 @@ class SwarmDHT:
                 )
             except P2PDaemonError as error:  # p2pd exited at start: its last words say why
                 raise DHTUnavailable(_start_failure(str(error), host, port)) from None
-        self.peer_id = str(self.dht.peer_id)
+        self.peer_id = str(self.thread.peer_id)
         self._p2p: P2P | None = None
         self._subkey = subkey_of(self.peer_id)
 
     @property
     def alive(self) -> bool:
-        return self.dht.is_alive()
+        return self.thread.is_alive()
+
+    @property
+    def p2pd_pid(self) -> int:
+        return self.thread.p2pd_pid
+
+    @property
+    def p2pd_exit_code(self) -> int | None:
+        return self.thread.p2pd_exit_code
 
     def visible_maddrs(self, latest: bool = False) -> list[str]:
         """This node's multiaddrs as its p2pd gives them (`latest`: asked now, not as cached at start)."""
-        return [str(addr) for addr in self.dht.get_visible_maddrs(latest=latest)]
+        maddrs = self.thread.call_blocking(
+            lambda node: node.get_visible_maddrs(latest=latest), DHT_CALL_TIMEOUT_S
+        )
+        return [str(addr) for addr in maddrs]
 
     async def publish(self, record: NodeRecord, ttl: float) -> bool:
+        return await self.store(stage_key(self.run_id, record.stage), encode(record), ttl)
+
+    async def publish_run(self, spec: RunSpec, ttl: float) -> bool:
+        return await self.store(run_key(self.run_id), MSGPackSerializer.dumps(spec.to_dict()), ttl)
+
+    async def store(self, key: str, value: bytes, ttl: float) -> bool:
+        """Store `value` under this node's subkey of `key` for `ttl` s; whether the DHT took it."""
+        expiration = get_dht_time() + ttl
         return await _bounded(
-            self.dht.store(
-                stage_key(self.run_id, record.stage),
-                encode(record),
-                get_dht_time() + ttl,
-                subkey=self._subkey,
-                return_future=True,
-                beam_size=NUM_REPLICAS,
+            self.thread.call(
+                lambda node: node.store(key, value, expiration, subkey=self._subkey, beam_size=NUM_REPLICAS)
             )
         )
 
-    async def publish_run(self, spec: RunSpec, ttl: float) -> bool:
-        value = MSGPackSerializer.dumps(spec.to_dict())
+    async def get_latest(self, key: str) -> ValueWithExpiration[Any] | None:
+        """The latest value of `key` on the DHT (for a dictionary, every subkey's latest), or None."""
         return await _bounded(
-            self.dht.store(
-                run_key(self.run_id),
-                value,
-                get_dht_time() + ttl,
-                subkey=self._subkey,
-                return_future=True,
-                beam_size=NUM_REPLICAS,
-            )
+            self.thread.call(lambda node: node.get(key, latest=True, beam_size=NUM_REPLICAS))
         )
 
     async def read_run(self) -> RunSpec | None:
         """The newest valid run definition published by one of `run_owners`; others are ignored (logged
         once per publisher). RunVersionMismatch if the owner's definition is of a swarmnode this one cannot
         join (and none is of this one)."""
-        found = await _bounded(
-            self.dht.get(run_key(self.run_id), latest=True, return_future=True, beam_size=NUM_REPLICAS)
-        )
+        found = await self.get_latest(run_key(self.run_id))
         if found is None or not isinstance(found.value, dict):
             return None
         owned = []
@@ -362,9 +364,7 @@ class SwarmDHT:
         """The live records of each of `stages`, their keys looked up in one traversal of the DHT (each peer
         asked once for all of them, not once a key: a node reads every stage every record period)."""
         keys = {stage_key(self.run_id, k): k for k in stages}
-        found = await _bounded(
-            self.dht.run_coroutine(partial(_latest_values, tuple(keys)), return_future=True)
-        )
+        found = await _bounded(self.thread.call(partial(_latest_values, tuple(keys))))
         now = get_dht_time()
         return {
             stage: parse_stage_entries(
@@ -378,16 +378,15 @@ class SwarmDHT:
     async def replicate_p2p(self) -> P2P:
         """This process's client of the DHT's p2pd (one per process, shared by every user of it)."""
         if self._p2p is None:
-            self._p2p = await self.dht.replicate_p2p()
+            self._p2p = await P2P.replicate(self.thread.daemon_listen_maddr)
         return self._p2p
 
     async def close(self) -> None:
-        """Shut down the p2pd client (it removes its socket file), then the DHT process and its p2pd."""
+        """Shut down the p2pd client (it removes its socket file), then the DHT thread and its p2pd."""
         if self._p2p is not None:
             await self._p2p.shutdown()
             self._p2p = None
         self.shutdown()
 
     def shutdown(self) -> None:
-        if self.dht.is_alive():
-            self.dht.shutdown()
+        self.thread.shutdown(SHUTDOWN_TIMEOUT_S)

@@ -28,8 +28,8 @@ def register_package() -> None:
 
 @contextlib.contextmanager
 def p2pd_flags(flags: Mapping[str, bool | int | str]) -> Iterator[None]:
-    """p2pd processes that hivemind starts inside this block (in this process, or in a process forked from
-    it, such as the DHT's) also get `-NAME=VALUE` for each of `flags`.
+    """p2pd processes that hivemind starts inside this block (in any thread of this process, such as the
+    DHT's) also get `-NAME=VALUE` for each of `flags`.
 
     hivemind's `P2P.create` passes p2pd a fixed set of flags, and no way to add one; swarmnode needs
     `-relayDiscovery=0` (`dht.Reach.p2pd_flags`). Nothing changes for an empty `flags`."""

@@ -7,7 +7,7 @@ reach that decoder in hivemind's own `rpc_store` and `rpc_find` and in our recor
 
 `install()` replaces the extension decoder with one that counts nesting per thread and raises
 `NestingTooDeep` past `MAX_EXT_DEPTH`; hivemind's handlers turn that into a failed request. It must run
-before the DHT process forks (`SwarmDHT` does it), so hivemind's handlers in that process use it too.
+before the DHT starts (`SwarmDHT` does it), so hivemind's handlers use it too.
 """
 
 from __future__ import annotations

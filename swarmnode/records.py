@@ -4,7 +4,7 @@ Every node republishes a `protocols.messages.NodeRecord` under `{run}.stage.{k}`
 subkey, and signs it with its libp2p identity key (`swarmnode.identity`): the signature covers the key, the
 subkey, the value and the expiry, and is checked against the key the peer id itself carries. So only the
 owner of a peer id can speak in its name, and an expiry cannot be stretched. `SwarmRecordValidator` runs in
-every DHT process on every store and on every value a lookup returns: it rejects values under this run's keys
+every DHT node on every store and on every value a lookup returns: it rejects values under this run's keys
 that are unsigned, signed by another key, expire more than `MAX_EXPIRY_S` ahead, or do not decode as their
 schema. A node that stops refreshing vanishes when its record expires; there is no delete.
 

@@ -4,7 +4,6 @@ standbys and by `swarmnode status`."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -13,8 +12,8 @@ from hivemind.utils import get_dht_time
 from protocols.errors import ProtocolError
 from protocols.messages import encode
 from protocols.standby import StandbyRecord
-from swarmnode.dht import DHT_CALL_TIMEOUT_S, SwarmDHT
-from swarmnode.records import decode_standby, peer_of_subkey, standby_key, subkey_of
+from swarmnode.dht import SwarmDHT
+from swarmnode.records import decode_standby, peer_of_subkey, standby_key
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +29,13 @@ class StandbyPeer:
 
 async def publish_standby(dht: SwarmDHT, record: StandbyRecord, ttl: float) -> bool:
     """Store this node's standby record for `ttl` seconds."""
-    stored = dht.dht.store(
-        standby_key(dht.run_id),
-        encode(record),
-        get_dht_time() + ttl,
-        subkey=subkey_of(dht.peer_id),
-        return_future=True,
-    )
-    return await asyncio.wait_for(stored, DHT_CALL_TIMEOUT_S)
+    return await dht.store(standby_key(dht.run_id), encode(record), ttl)
 
 
 async def read_standbys(dht: SwarmDHT) -> list[StandbyPeer]:
     """The live standby records of the run (those standing by and those that took a stage lately), sorted
     by peer id; invalid ones are skipped with a warning."""
-    found = await asyncio.wait_for(
-        dht.dht.get(standby_key(dht.run_id), latest=True, return_future=True), DHT_CALL_TIMEOUT_S
-    )
+    found = await dht.get_latest(standby_key(dht.run_id))
     if found is None or not isinstance(found.value, dict):
         return []
     now = get_dht_time()

@@ -51,7 +51,7 @@ def wait_step(data: NodeProcess, step: int, timeout: float = START_S) -> dict[st
 
 
 def kill(swarm: LocalTestSwarm, *nodes: NodeProcess) -> float:
-    """SIGKILL the whole process group of each node (daemon, DHT process, p2pd); the unix time of the kill."""
+    """SIGKILL the whole process group of each node (daemon, p2pd); the unix time of the kill."""
     swarm.note_sockets()  # their p2pd sockets stay behind; the fixture removes them
     for node in nodes:
         node.kill_group(signal.SIGKILL)

@@ -10,7 +10,7 @@
 
 Each node runs `python -m swarmnode ...` in its own session, started and ended by the launcher's supervisor
 (`swarmnode.launcher.procs`), so its pid is its process group id and the group holds what it started: the
-forked DHT process and the libp2p daemon (p2pd).
+libp2p daemon (p2pd).
 Its stdout (one JSON event per line) and stderr go to `{name}.out` / `{name}.err` under the swarm's folder.
 Every wait polls files or `swarmnode status --json` until a deadline; nothing sleeps in place of a signal.
 

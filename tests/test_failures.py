@@ -1,8 +1,8 @@
 """Failures on real swarms (issue 5): SIGKILL of a node's whole process group, then `join --stage auto`.
 
 Every test runs one small swarm on loopback (tests/swarm_harness.py: a bootstrap, one data node, three or
-four stage nodes, one torch thread each), kills nodes mid-run with SIGKILL to their process group (daemon,
-DHT process and p2pd die together, as on a lost machine), starts replacements with `join --stage auto
+four stage nodes, one torch thread each), kills nodes mid-run with SIGKILL to their process group (daemon
+and p2pd die together, as on a lost machine), starts replacements with `join --stage auto
 --dump-recovery DIR`, and checks what the replacements did and that training went on:
 
 - a lost middle stage is rebuilt by CheckFree: the loaded weights are the gradient-norm weighted average of

@@ -471,7 +471,7 @@ def join(
 
 
 def _exit_at_once(code: int) -> NoReturn:
-    """End a daemon that has shut down in order (its node, DHT process and p2pd closed) without the
+    """End a daemon that has shut down in order (its node, DHT and p2pd closed) without the
     interpreter's teardown: collecting torch's and hivemind's objects took seconds of CPU, several
     daemons' side by side outlasted the launcher's grace period, and they were SIGKILLed."""
     sys.stdout.flush()

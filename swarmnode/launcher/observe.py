@@ -2,7 +2,7 @@
 
 `python -m swarmnode.launcher.observe PEERS_FILE RUN_ID [INTERVAL]` prints a `SwarmObserver` snapshot (the
 `swarmnode status --json` object) every INTERVAL seconds (none where a DHT read timed out). It runs as a
-supervised child like the daemons, so its DHT process and p2pd live in a process group the launcher ends, and
+supervised child like the daemons, so its p2pd lives in a process group the launcher ends, and
 the terminal's Ctrl-C never reaches them mid-call. The launcher reads its lines with `parse_snapshot`; of a
 snapshot it uses only `stages[].stage` and `stages[].peers[].state`.
 """

@@ -1,9 +1,9 @@
 """Process supervision: each child in its own process group, its output in files, ended by group.
 
-A daemon forks a DHT process and starts a libp2p daemon (p2pd); killing only the daemon's pid would leave both
-running. Every child therefore starts a new session (`start_new_session=True`, so its pid is its process
-group id and the terminal's Ctrl-C does not reach it) and is ended with `os.killpg`, which reaches whatever it
-started. Orphans that died but were not reaped by init (zombies) count as gone.
+A daemon starts a libp2p daemon (p2pd); killing only the daemon's pid would leave it running. Every child
+therefore starts a new session (`start_new_session=True`, so its pid is its process group id and the
+terminal's Ctrl-C does not reach it) and is ended with `os.killpg`, which reaches whatever it started.
+Orphans that died but were not reaped by init (zombies) count as gone.
 
 A group id is safe to signal while the group has a member or its leader is not reaped yet. Once the leader is
 reaped and the group has no live member, the id is free for the system to reuse: the group is then marked
@@ -195,7 +195,7 @@ def stop_all(
     settle: float = 3.0,
 ) -> list[ChildProcess]:
     """End every child: SIGTERM to the child, up to `grace` seconds to exit (less once `hurry()` is true);
-    then, where its group still runs (a leader that exited may leave its DHT process or p2pd), SIGTERM to
+    then, where its group still runs (a leader that exited may leave its p2pd), SIGTERM to
     the group and up to `GROUP_GRACE_S` more (so a p2pd removes its own socket files); then SIGKILL to the
     group.
 

@@ -95,7 +95,7 @@ async def run_bootstrap(
                 await asyncio.wait_for(stop.wait(), REPUBLISH_S)
             except TimeoutError:
                 if not dht.alive:
-                    logger.error("the DHT process is gone; stopping")
+                    logger.error("the DHT's p2p daemon is gone; stopping")
                     return 1
                 try:
                     await dht.publish_run(spec, RUN_TTL_S)

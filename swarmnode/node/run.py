@@ -24,7 +24,6 @@ from swarmnode.node.events import emit, listen
 from swarmnode.node.human_lines import PROGRESS_EVERY_STEPS
 from swarmnode.node.liveness import answering
 from swarmnode.node.metrics import DaemonMetrics
-from swarmnode.node.orphans import adopt_orphans, end_orphans
 from swarmnode.node.planning import SwarmRead
 from swarmnode.node.reachability import ReachServer, report_reachability
 from swarmnode.node.stage import StageNode
@@ -38,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 RUN_WAIT_S = 60.0
 PROGRESS_LOOK_S = 1.0  # how often a stage node looks whether its step passed a `progress` multiple
-DHT_CHECK_S = 1.0  # how often a daemon checks that its DHT process still runs
+DHT_CHECK_S = 1.0  # how often a daemon checks that its DHT (its thread and p2pd) still runs
 CLAIM_SETTLE_S = 0.1  # the least a claim settles (`membership.settle_seconds`: more after a slow store)
 
 
@@ -127,7 +126,6 @@ async def run_join(options: JoinOptions) -> int:
     if options.threads:
         torch.set_num_threads(options.threads)
     started = time.monotonic()
-    adopt_orphans()  # a DHT process that crashes leaves its p2pd to this process, which ends it
     dht = SwarmDHT(
         options.run_id,
         options.initial_peers,
@@ -150,7 +148,7 @@ async def run_join(options: JoinOptions) -> int:
         if options.standby:
             taken = await _stand_by(options, spec, dht, links, metrics)
             if taken is None:
-                return 0 if dht.alive else _dht_died()
+                return 0 if dht.alive else 1
             stage, building = taken
         else:
             stage = await claim_stage(dht, spec) if options.stage is None else options.stage
@@ -182,7 +180,7 @@ async def run_join(options: JoinOptions) -> int:
                 if metrics is not None:
                     metrics.attach(None)
             if not dht.alive:
-                return _dht_died()
+                return 1
             next_stage = node.move_to
             if next_stage is not None:
                 emit("moving", from_stage=node.stage, to_stage=next_stage)
@@ -215,11 +213,6 @@ async def _report_progress(node: Node) -> None:
         )
 
 
-def _dht_died() -> int:
-    end_orphans()
-    return 1
-
-
 async def _stand_by(
     options: JoinOptions,
     spec: RunSpec,
@@ -228,7 +221,7 @@ async def _stand_by(
     metrics: DaemonMetrics | None,
 ) -> tuple[int, asyncio.Future[Node]] | None:
     """`--standby`: stand by until a lost stage is taken (its node built while the claim settled); None
-    if stopped by SIGINT/SIGTERM meanwhile, or the DHT process died."""
+    if stopped by SIGINT/SIGTERM meanwhile, or the DHT died."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -309,15 +302,15 @@ def _construct(context: NodeContext, options: JoinOptions, stage: int) -> Node:
 
 
 async def _watch_dht(dht: SwarmDHT, node: Node) -> None:
-    """Stop `node` if its DHT process dies: without it the node can neither publish its record nor see the
-    swarm, and would live on as a zombie that peers route to until its record expires."""
+    """Stop `node` if its DHT dies (its p2pd exits): without it the node can neither publish its record nor
+    see the swarm, and would live on as a zombie that peers route to until its record expires."""
     while dht.alive:
         await asyncio.sleep(DHT_CHECK_S)
     logger.error(
-        "the DHT process (pid %s) ended with exit code %s; this node can no longer publish its record. "
+        "the DHT's p2p daemon (pid %s) ended with exit code %s; this node can no longer publish its record. "
         "Stopping: start it again to rejoin the swarm",
-        dht.dht.pid,
-        dht.dht.exitcode,
+        dht.p2pd_pid,
+        dht.p2pd_exit_code,
     )
     node.stop()
 

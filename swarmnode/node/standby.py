@@ -89,7 +89,7 @@ async def stand_by(
     prepare: Callable[[int], asyncio.Future[T]],
 ) -> tuple[int, asyncio.Future[T]] | None:
     """Stand by until a lost stage is taken: returns it and its node's build (`prepare(stage)`, started
-    when the stage was claimed); None once `stopping` is set or the DHT process died."""
+    when the stage was claimed); None once `stopping` is set or the DHT died."""
     machine = Standby(
         me=dht.peer_id, stages=spec.stages, watch_s=WATCH_S, settle_s=SETTLE_S, patience_s=PATIENCE_S
     )

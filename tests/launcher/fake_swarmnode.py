@@ -3,7 +3,7 @@
 `bootstrap` writes a peers file (and the run's step count beside it); `join` prints the daemons' JSON event
 lines: data nodes (stage 0) train `steps` steps quickly and exit 0, other stages idle until ended; `export`
 writes a stand-in model folder and its `exported` line. Like a real
-daemon, every process leaves a grandchild behind in its process group (standing in for the DHT process and
+daemon, every process leaves a grandchild behind in its process group (standing in for its
 p2pd), and records both pids under $FAKE_PIDS_DIR so tests can check that nothing survives the launcher.
 
 Environment knobs: FAKE_AUTO_STAGE (the stage `--stage auto` picks, default 1; such a node then reports a

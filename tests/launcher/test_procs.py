@@ -14,7 +14,7 @@ from proc_state import running
 
 from swarmnode.launcher.procs import ChildProcess, LineTail, StopSignals, group_running, stop_all
 
-# A child that starts a grandchild (as a daemon starts its DHT process and p2pd), prints its pid, and waits.
+# A child that starts a grandchild (as a daemon starts its p2pd), prints its pid, and waits.
 PARENT = """
 import signal, subprocess, sys, time
 if sys.argv[1] == "ignore-term":

@@ -62,7 +62,7 @@ def test_a_forked_daemon_is_killed_by_group_and_reported(tmp_path: Path, zygote:
         assert os.getsid(child.pid) == child.pid
         assert child.poll() is None and child.group_running()
         assert child.kill() == -signal.SIGKILL
-        wait_for(lambda: not child.group_running(), "end of the group (its DHT process, its p2pd)", 10)
+        wait_for(lambda: not child.group_running(), "end of the group (its p2pd)", 10)
     finally:
         stop_all([child], grace=0.0)
 
