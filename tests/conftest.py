@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,9 +12,24 @@ from cli_helpers import run
 from swarm_harness import LocalTestSwarm, local_test_swarm
 from transport_harness import Swarm, running_swarm
 
+from swarmnode.dht_thread import THREAD_NAME
 from swarmnode.transport import Transport
 
 TRAINED_STEPS = 6
+
+
+def _dht_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name == THREAD_NAME}
+
+
+@pytest.fixture(autouse=True)
+def no_dht_left_running() -> Iterator[None]:
+    """Every test shuts down the DHTs it started in this process (each a thread and a p2pd:
+    `swarmnode.dht_thread`); one left running fails the test."""
+    before = _dht_threads()
+    yield
+    if left := _dht_threads() - before:
+        pytest.fail(f"{len(left)} DHT(s) left running: shut down every SwarmDHT a test starts")
 
 
 @pytest.fixture

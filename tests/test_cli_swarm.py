@@ -158,7 +158,11 @@ def test_an_identity_file_keeps_the_peer_id_across_restarts(tmp_path: Path) -> N
     finally:
         joiner.shutdown()
         dht.shutdown()
-    assert SwarmDHT("identity").peer_id != first  # without one, a fresh key each start
+    fresh = SwarmDHT("identity")
+    try:
+        assert fresh.peer_id != first  # without one, a fresh key each start
+    finally:
+        fresh.shutdown()
 
 
 def test_the_bootstrap_shuts_its_dht_down_when_the_peers_file_cannot_be_written(

@@ -34,6 +34,7 @@ def _wait(condition, timeout: float, what: str) -> None:  # type: ignore[no-unty
 
 def test_two_nodes_store_and_read_from_any_loop_and_end_cleanly() -> None:
     before = set(_children())
+    threads_before = [t.name for t in threading.enumerate()].count(THREAD_NAME)
     first = DHTThread([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     second = DHTThread(
         [],
@@ -45,7 +46,7 @@ def test_two_nodes_store_and_read_from_any_loop_and_end_cleanly() -> None:
         started = set(_children()) - before
         assert sorted(proc_stat(pid).comm for pid in started) == ["p2pd", "p2pd"]  # type: ignore[union-attr]
         assert {first.p2pd_pid, second.p2pd_pid} == started
-        assert [t.name for t in threading.enumerate()].count(THREAD_NAME) == 2
+        assert [t.name for t in threading.enumerate()].count(THREAD_NAME) == threads_before + 2
         assert first.is_alive() and second.is_alive() and first.p2pd_exit_code is None
 
         expiry = get_dht_time() + 60
@@ -65,7 +66,7 @@ def test_two_nodes_store_and_read_from_any_loop_and_end_cleanly() -> None:
         first.shutdown(2.0)
     assert not first.is_alive() and not second.is_alive()
     assert set(_children()) <= before, "a p2pd outlived its DHT"
-    assert THREAD_NAME not in [t.name for t in threading.enumerate()]
+    assert [t.name for t in threading.enumerate()].count(THREAD_NAME) == threads_before
     assert first.native_id is None
     with pytest.raises(RuntimeError, match="stopped"):
         first.submit(_peer_id)
@@ -105,11 +106,12 @@ def test_a_blocking_call_from_the_dht_thread_is_refused() -> None:
 
 def test_a_start_that_fails_raises_here_and_leaves_nothing() -> None:
     before = set(_children())
+    threads_before = [t.name for t in threading.enumerate()].count(THREAD_NAME)
     nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLB7GnWgJsFc3uksAJCBTJxDhqtsokMd6zCUZ4NFCHqE2"
     with pytest.raises(P2PDaemonError, match="bootstrap peers"):
         DHTThread([], host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[nobody])
     _wait(lambda: set(_children()) <= before, 10, "the failed p2pd to end")
-    assert THREAD_NAME not in [t.name for t in threading.enumerate()]
+    assert [t.name for t in threading.enumerate()].count(THREAD_NAME) == threads_before
 
 
 def test_a_process_that_exits_without_shutting_its_dht_down_leaves_no_p2pd() -> None:
