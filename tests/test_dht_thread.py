@@ -4,6 +4,8 @@ loopback: calls from any thread and any event loop, no process of its own, a p2p
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import os
 import signal
 import subprocess
@@ -133,3 +135,29 @@ def test_a_process_that_exits_without_shutting_its_dht_down_leaves_no_p2pd() -> 
     finally:
         if not ended():
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_lost_connection_left_in_a_task_is_no_error_and_a_real_one_still_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    dht = DHTThread([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+    async def leave_failed_tasks(node: DHTNode) -> None:
+        """Tasks that fail with nobody to retrieve their errors, as hivemind's p2pd client leaves one."""
+
+        async def fail(error: Exception) -> None:
+            raise error
+
+        tasks = [asyncio.ensure_future(fail(e)) for e in (ConnectionResetError("lost"), ValueError("a bug"))]
+        await asyncio.wait(tasks)
+        tasks.clear()
+
+    try:
+        with caplog.at_level(logging.DEBUG):
+            dht.call_blocking(leave_failed_tasks, 10)
+            gc.collect()  # asyncio reports a failed task's unretrieved error when the task is collected
+    finally:
+        dht.shutdown(2.0)
+    errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert [type(record.exc_info[1]) for record in errors if record.exc_info] == [ValueError]
+    assert any("lost" in record.getMessage() for record in caplog.records if record.levelno == logging.DEBUG)
