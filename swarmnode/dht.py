@@ -128,7 +128,7 @@ class Reach:
             raise ValueError("use_auto_relay needs use_relay")
 
     def p2p_kwargs(self, initial_peers: Sequence[str]) -> dict[str, Any]:
-        """Keyword arguments of `hivemind.P2P.create` (through `DHTNode.create`)."""
+        """Keyword arguments of `hivemind.P2P.create`."""
         kwargs: dict[str, Any] = {"use_relay": self.use_relay, "use_auto_relay": self.use_auto_relay}
         if self.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
@@ -241,14 +241,17 @@ class SwarmDHT:
             try:
                 self.thread = DHTThread(
                     [SwarmRecordValidator(run_id, self.identity)],
-                    initial_peers=list(initial_peers),
-                    host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-                    nat_port_map=public,
-                    client_mode=client_mode,
-                    identity_path=str(key_file),
-                    # hivemind's check reads the key file as RSA only (`PeerID.from_identity`): with an
-                    # Ed25519 identity every `join --identity` failed with "Could not deserialize key data"
-                    check_if_identity_free=False,
+                    initial_peers,
+                    client_mode,
+                    {
+                        "host_maddrs": [f"/ip4/{host}/tcp/{port}"],
+                        "nat_port_map": public,
+                        "identity_path": str(key_file),
+                        # hivemind's check reads the key file as RSA only (`PeerID.from_identity`): with an
+                        # Ed25519 identity every `join --identity` failed, "Could not deserialize key data"
+                        "check_if_identity_free": False,
+                        **self.reach.p2p_kwargs(initial_peers),
+                    },
                     # every read here asks for the latest value, so hivemind's background re-read of cached
                     # keys (due 5 s before they expire: at once for a 4 s record) is lookups for nothing
                     cache_refresh_before_expiry=0,
@@ -256,7 +259,6 @@ class SwarmDHT:
                     # reads, as records change every period): reads ask the replicas themselves
                     cache_nearest=0,
                     num_replicas=NUM_REPLICAS,
-                    **self.reach.p2p_kwargs(initial_peers),
                 )
             except P2PDaemonError as error:  # p2pd exited at start: its last words say why
                 raise DHTUnavailable(_start_failure(str(error), host, port)) from None

@@ -14,12 +14,12 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator, RecordValidatorBase
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 T = TypeVar("T")
@@ -48,33 +48,67 @@ def _quiet_lost_connections(loop: asyncio.AbstractEventLoop, context: dict[str, 
 
 
 class DHTThread:
-    """One `DHTNode` (and the p2pd it starts) served by an event loop in a thread of this process.
+    """One `DHTNode` and the p2pd it runs over, served by an event loop in a thread of this process.
 
-    Blocks until the node has joined the DHT; the error `DHTNode.create` raised (a p2pd that did not
-    start, no initial peer answering) is raised here. `node_kwargs` go to `DHTNode.create`, and through it
-    to `hivemind.P2P.create`.
+    Blocks until the node has joined the DHT through `initial_peers`; the error raised on the way (a p2pd
+    that did not start, no initial peer answering) is raised here, after the p2pd (if it started) has
+    been ended. `p2p_kwargs` go to `hivemind.P2P.create`, `node_kwargs` to `DHTNode.create`.
     """
 
-    def __init__(self, record_validators: list[RecordValidatorBase], **node_kwargs: Any) -> None:
-        self._node_kwargs = {"record_validator": CompositeValidator(record_validators), **node_kwargs}
+    def __init__(
+        self,
+        record_validators: list[RecordValidatorBase],
+        initial_peers: Sequence[str] = (),
+        client_mode: bool = False,
+        p2p_kwargs: Mapping[str, Any] | None = None,
+        **node_kwargs: Any,
+    ) -> None:
         self._loop = _new_loop()
         self._loop.set_exception_handler(_quiet_lost_connections)
-        self._started: concurrent.futures.Future[DHTNode] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
+        start = self._start(
+            record_validators, list(initial_peers), client_mode, dict(p2p_kwargs or {}), node_kwargs
+        )
+        self._started: concurrent.futures.Future[tuple[P2P, DHTNode]] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._serve, args=(start,), name=THREAD_NAME, daemon=True)
         self._thread.start()
-        self._node = self._started.result()
+        self._p2p, self._node = self._started.result()
         self.peer_id: PeerID = self._node.peer_id
 
-    def _serve(self) -> None:
+    @staticmethod
+    async def _start(
+        record_validators: list[RecordValidatorBase],
+        initial_peers: list[str],
+        client_mode: bool,
+        p2p_kwargs: dict[str, Any],
+        node_kwargs: dict[str, Any],
+    ) -> tuple[P2P, DHTNode]:
+        """Start p2pd, then the DHT node over it (as `DHTNode.create` would start both, but here a node
+        that fails to join ends the p2pd it started)."""
+        if client_mode:
+            p2p_kwargs.setdefault("dht_mode", "client")
+        p2p = await P2P.create(initial_peers=initial_peers, **p2p_kwargs)
+        try:
+            node = await DHTNode.create(
+                p2p=p2p,
+                initial_peers=initial_peers,
+                client_mode=client_mode,
+                record_validator=CompositeValidator(record_validators),
+                **node_kwargs,
+            )
+        except BaseException:
+            await p2p.shutdown()
+            raise
+        return p2p, node
+
+    def _serve(self, start: Coroutine[Any, Any, tuple[P2P, DHTNode]]) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            node = self._loop.run_until_complete(DHTNode.create(**self._node_kwargs))
-        except BaseException as error:  # handed to the starting thread, which raises it
-            self._started.set_exception(error)
-            self._loop.close()
-            return
-        self._started.set_result(node)
-        try:
+            try:
+                started = self._loop.run_until_complete(start)
+            except BaseException as error:  # handed to the starting thread, which raises it
+                self._started.set_exception(error)
+                return
+            self._started.set_result(started)
             self._loop.run_forever()
         finally:
             pending = asyncio.all_tasks(self._loop)
@@ -108,7 +142,7 @@ class DHTThread:
     @property
     def daemon_listen_maddr(self) -> Multiaddr:
         """Where this node's p2pd takes clients (`hivemind.P2P.replicate` connects there)."""
-        return self._node.p2p.daemon_listen_maddr
+        return self._p2p.daemon_listen_maddr
 
     @property
     def p2pd_pid(self) -> int:
@@ -125,8 +159,8 @@ class DHTThread:
         return self._thread.is_alive() and self._p2pd().returncode is None
 
     def _p2pd(self) -> asyncio.subprocess.Process:
-        """hivemind keeps its handle on p2pd private; `DHTNode.create` always starts one here."""
-        return self._node.p2p._child
+        """hivemind keeps its handle on p2pd private; `P2P.create` always starts one here."""
+        return self._p2p._child
 
     def shutdown(self, timeout: float) -> None:
         """Shut the node down (its p2pd with it) and stop the thread, waiting up to about `timeout` s."""
@@ -138,7 +172,11 @@ class DHTThread:
         async def close(node: DHTNode) -> None:
             try:
                 await asyncio.wait_for(node.shutdown(), timeout)
+                await asyncio.wait_for(self._p2p.shutdown(), timeout)
             finally:
+                if self._p2pd().returncode is None:  # a p2pd that did not end in time
+                    with contextlib.suppress(ProcessLookupError):
+                        self._p2pd().kill()
                 self._loop.stop()
 
         with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):

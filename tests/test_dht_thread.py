@@ -15,11 +15,14 @@ import time
 
 import pytest
 from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from swarmnode.dht_thread import THREAD_NAME, DHTThread
 from swarmnode.procstat import proc_stat, processes
+
+LOOPBACK = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"]}
 
 
 def _children() -> list[int]:
@@ -37,12 +40,9 @@ def _wait(condition, timeout: float, what: str) -> None:  # type: ignore[no-unty
 def test_two_nodes_store_and_read_from_any_loop_and_end_cleanly() -> None:
     before = set(_children())
     threads_before = [t.name for t in threading.enumerate()].count(THREAD_NAME)
-    first = DHTThread([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = DHTThread(
-        [],
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        initial_peers=first.call_blocking(lambda node: node.get_visible_maddrs(), 10),
-    )
+    first = DHTThread([], p2p_kwargs=LOOPBACK)
+    maddrs = [str(addr) for addr in first.call_blocking(lambda node: node.get_visible_maddrs(), 10)]
+    second = DHTThread([], maddrs, p2p_kwargs=LOOPBACK)
     try:
         # the daemon's process gains p2pds only: each node runs in a thread here, not a process of its own
         started = set(_children()) - before
@@ -80,7 +80,7 @@ async def _peer_id(node: DHTNode) -> object:
 
 
 def test_a_p2pd_that_dies_leaves_the_dht_not_alive() -> None:
-    dht = DHTThread([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = DHTThread([], p2p_kwargs=LOOPBACK)
     try:
         os.kill(dht.p2pd_pid, signal.SIGKILL)
         _wait(lambda: not dht.is_alive(), 10, "the DHT to notice its p2pd's end")
@@ -91,7 +91,7 @@ def test_a_p2pd_that_dies_leaves_the_dht_not_alive() -> None:
 
 
 def test_a_blocking_call_from_the_dht_thread_is_refused() -> None:
-    dht = DHTThread([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = DHTThread([], p2p_kwargs=LOOPBACK)
     try:
 
         async def call_myself(node: DHTNode) -> str:
@@ -111,15 +111,32 @@ def test_a_start_that_fails_raises_here_and_leaves_nothing() -> None:
     threads_before = [t.name for t in threading.enumerate()].count(THREAD_NAME)
     nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLB7GnWgJsFc3uksAJCBTJxDhqtsokMd6zCUZ4NFCHqE2"
     with pytest.raises(P2PDaemonError, match="bootstrap peers"):
-        DHTThread([], host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[nobody])
+        DHTThread([], [nobody], p2p_kwargs=LOOPBACK)
     _wait(lambda: set(_children()) <= before, 10, "the failed p2pd to end")
     assert [t.name for t in threading.enumerate()].count(THREAD_NAME) == threads_before
+
+
+def test_a_node_that_no_initial_peer_answers_ends_its_p2pd() -> None:
+    """Its initial peer is a bare libp2p peer: p2pd connects, but no DHT answers there."""
+
+    async def scenario() -> None:
+        bare = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            before = set(_children())
+            maddrs = [str(addr) for addr in await bare.get_visible_maddrs()]
+            with pytest.raises(RuntimeError, match="bootstrap failed"):
+                await asyncio.to_thread(DHTThread, [], maddrs, p2p_kwargs=LOOPBACK)
+            assert set(_children()) <= before, "the failed node's p2pd lives on"
+        finally:
+            await bare.shutdown()
+
+    asyncio.run(scenario())
 
 
 def test_a_process_that_exits_without_shutting_its_dht_down_leaves_no_p2pd() -> None:
     script = (
         "from swarmnode.dht_thread import DHTThread\n"
-        "dht = DHTThread([], host_maddrs=['/ip4/127.0.0.1/tcp/0'])\n"
+        "dht = DHTThread([], p2p_kwargs={'host_maddrs': ['/ip4/127.0.0.1/tcp/0']})\n"
         "print(dht.p2pd_pid, flush=True)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
@@ -140,7 +157,7 @@ def test_a_process_that_exits_without_shutting_its_dht_down_leaves_no_p2pd() -> 
 def test_a_lost_connection_left_in_a_task_is_no_error_and_a_real_one_still_is(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    dht = DHTThread([], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = DHTThread([], p2p_kwargs=LOOPBACK)
 
     async def leave_failed_tasks(node: DHTNode) -> None:
         """Tasks that fail with nobody to retrieve their errors, as hivemind's p2pd client leaves one."""
