@@ -71,7 +71,8 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds, from --first-seed on")
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--window", type=int, default=25)
     parser.add_argument("--shares", default=SHARES, help="swap one microbatch in N (0: none; must hold 0)")
@@ -102,7 +103,7 @@ def main() -> None:
             "every": every,
             **run(data, setup, seed, every, args.steps, args.window, args.eval_every),
         }
-        for seed in range(args.seeds)
+        for seed in range(args.first_seed, args.first_seed + args.seeds)
         for every in shares
     ]
     print("| swaps | seed | val | / no swaps | rebuild | S1 just after / before | S1 later / control |")
