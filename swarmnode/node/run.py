@@ -148,7 +148,10 @@ async def run_join(options: JoinOptions) -> int:
         if options.standby:
             taken = await _stand_by(options, spec, dht, links, metrics)
             if taken is None:
-                return 0 if dht.alive else 1
+                if dht.alive:
+                    return 0
+                _say_dht_died(dht)  # a standby has no node for `_watch_dht` to stop
+                return 1
             stage, building = taken
         else:
             stage = await claim_stage(dht, spec) if options.stage is None else options.stage
@@ -306,13 +309,17 @@ async def _watch_dht(dht: SwarmDHT, node: Node) -> None:
     see the swarm, and would live on as a zombie that peers route to until its record expires."""
     while dht.alive:
         await asyncio.sleep(DHT_CHECK_S)
+    _say_dht_died(dht)
+    node.stop()
+
+
+def _say_dht_died(dht: SwarmDHT) -> None:
     logger.error(
         "the DHT's p2p daemon (pid %s) ended with exit code %s; this node can no longer publish its record. "
         "Stopping: start it again to rejoin the swarm",
         dht.p2pd_pid,
         dht.p2pd_exit_code,
     )
-    node.stop()
 
 
 async def _serve(node: Node, linger: bool, tokenizer: Path | None = None) -> None:
