@@ -15,7 +15,7 @@ Candidates, all between two OS processes on loopback (each with its own p2pd whe
 Each runs with the tensor as float32 and as float16 on the wire (hivemind's FLOAT16); MiB/s counts the fp32
 size; CPU is that of both processes and both p2pd together. Run `python benchmarks/transport_bench.py`
 (about a minute; `--quick`: a few seconds; `--json FILE`: also write every cell as a row, with the machine's
-load).
+load; `--options "swarmnode encrypted"`: that option and plain TCP only).
 
 `--netns` (root, `ip netns`): the two processes on two hosts instead, network namespaces on one switched
 segment (`tests/netns.py`), each with its own address, so that every option crosses veths and a bridge as
@@ -252,7 +252,13 @@ async def _measure_side_by_side(
 
 
 async def _client(
-    place: Place, server_place: Place, maddrs: list[str], port: int, sizes: tuple[int, ...], budget: float
+    place: Place,
+    server_place: Place,
+    maddrs: list[str],
+    port: int,
+    sizes: tuple[int, ...],
+    budget: float,
+    options: tuple[str, ...],
 ) -> Results:
     identity = Identity.generate()
     p2p = await _p2p(identity, place, maddrs)
@@ -293,8 +299,8 @@ async def _client(
             strict=True,
         )
     )
-    if place.address != LOOPBACK:
-        pushes = {option: push for option, push in pushes.items() if option not in LOOPBACK_ONLY}
+    left_out = LOOPBACK_ONLY if place.address != LOOPBACK else ()
+    pushes = {option: push for option, push in pushes.items() if option in options and option not in left_out}
     results: Results = {}
     try:
         for size in sizes:
@@ -313,7 +319,7 @@ async def _client(
         writer.close()
         for transport in {persistent, per_call, direct, encrypted}:
             await transport.close()
-        if encrypted.stats.streams_opened["encrypted"] == 0:
+        if REMOTE_DEFAULT in pushes and encrypted.stats.streams_opened["encrypted"] == 0:
             raise RuntimeError("the encrypted option never used the encrypted path")
         await p2p.shutdown()
     return results
@@ -467,7 +473,16 @@ def main() -> None:
     parser.add_argument(
         "--netns", action="store_true", help="the two sides in two network namespaces (root, `ip netns`)"
     )
+    parser.add_argument(
+        "--options",
+        nargs="+",
+        choices=OPTIONS,
+        default=OPTIONS,
+        metavar="OPTION",
+        help="only these options (plain TCP, the ceiling, always runs); quoted names: " + ", ".join(OPTIONS),
+    )
     args = parser.parse_args()
+    options = tuple(dict.fromkeys((*args.options, "plain TCP")))
     load_before = os.getloadavg()
     torch.set_num_threads(1)  # conversions on the event loop thread; no intra-op thread pool spinning
     sizes, budget = (SIZES[:3], 0.1) if args.quick else (SIZES, 0.6)
@@ -479,7 +494,7 @@ def main() -> None:
         server.start()
         try:
             maddrs, port = ours.recv()
-            work = (client_place, server_place, maddrs, port, sizes, budget)
+            work = (client_place, server_place, maddrs, port, sizes, budget, options)
             results = _client_elsewhere(ctx, *work) if client_place.namespace else uvloop.run(_client(*work))
         finally:
             ours.send("stop")
