@@ -1,8 +1,10 @@
 """A direct TCP connection's protocol: raw bytes for a handshake, then asyncio streams, sealed or not.
 
 `Channel` is the protocol of one TCP connection (either side). Until `open_streams`, the handshake reads and
-writes raw bytes (`read_raw`, `write_raw`); then it hands an `asyncio.StreamReader`/`StreamWriter` pair to the
-transport, the same kind the libp2p path gives, so framing and serving do not know which path they run on.
+writes raw bytes (`read_raw`, `write_raw`); then it hands a `DirectReader`/`StreamWriter` pair to the
+transport, a `StreamReader` like the libp2p path's, so framing and serving do not know which path they run
+on; where the framing waits in `DirectReader.readinto` for a tensor's bytes, they go straight into the
+tensor's memory (the kernel's recv writes plaintext there; sealed records open there).
 
 Sealed, every write becomes records of at most `MAX_RECORD` plaintext bytes:
 
@@ -23,6 +25,8 @@ from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from swarmnode.transport._reader import DirectReader
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +54,14 @@ class _SealedTransport(asyncio.Transport):
         self._sent = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        records: list[bytes] = []
         with memoryview(data) as view, view.cast("B") as octets:
             for start in range(0, octets.nbytes, MAX_RECORD):
                 piece = octets[start : start + MAX_RECORD]
                 length = piece.nbytes.to_bytes(_LENGTH_BYTES, "little")
-                sealed = self._seal.encrypt(_nonce(self._sent), piece, length)
+                records += (length, self._seal.encrypt(_nonce(self._sent), piece, length))
                 self._sent += 1
-                self._inner.writelines((length, sealed))
+        self._inner.writelines(records)  # one system call for the whole write, not one per record
 
     def writelines(self, list_of_data: Any) -> None:
         for data in list_of_data:
@@ -108,6 +113,8 @@ class Channel(asyncio.BufferedProtocol):
         self._start = self._end = 0  # what is received and not yet read or opened: buffer[start:end]
         self._waiter: asyncio.Future[None] | None = None  # the handshake's read, while bytes are missing
         self._app: asyncio.StreamReaderProtocol | None = None
+        self._reader: DirectReader | None = None
+        self._into_room = False  # the last buffer given to the transport was the reader's room
         self._open: AESGCM | None = None
         self._received = 0  # records opened
         self._plain = bytearray()  # where the records received open (once sealed)
@@ -128,6 +135,10 @@ class Channel(asyncio.BufferedProtocol):
             self._on_open(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        room = None if self._open is not None or self._reader is None else self._reader.room()
+        self._into_room = room is not None
+        if room is not None:  # plaintext, and a readinto waits: the kernel writes straight into its buffer
+            return room
         if self._start > 0 and (self._start == self._end or _CAPACITY - self._end < _RECORD_BYTES):
             held = self._end - self._start  # less than a record: move it to the front
             self._buffer[:held] = self._buffer[self._start : self._end]
@@ -135,6 +146,10 @@ class Channel(asyncio.BufferedProtocol):
         return memoryview(self._buffer)[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._into_room and self._reader is not None:
+            self._into_room = False
+            self._reader.filled(nbytes)
+            return
         if self._app is not None and self._open is None:  # plaintext: pass it on (the reader copies it)
             with memoryview(self._buffer)[self._end : self._end + nbytes] as data:
                 self._app.data_received(data)  # type: ignore[arg-type]  # StreamReader takes any buffer
@@ -206,14 +221,14 @@ class Channel(asyncio.BufferedProtocol):
         if self._transport is None:
             raise ConnectionError("not connected")
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(loop=loop)
+        reader = DirectReader(loop)
         app = asyncio.StreamReaderProtocol(reader, loop=loop)
         transport = self._transport if seal is None else _SealedTransport(self._transport, seal)
         app.connection_made(transport)
         if self._writing_paused:
             app.pause_writing()
         writer = asyncio.StreamWriter(transport, app, reader, loop)
-        self._app, self._open = app, unseal
+        self._app, self._reader, self._open = app, reader, unseal
         if unseal is None:
             if self._end > self._start:
                 app.data_received(bytes(self._held()))
@@ -240,10 +255,12 @@ class Channel(asyncio.BufferedProtocol):
             self._transport.resume_reading()
 
     def _unseal(self) -> None:
-        """Open every whole record received and pass their plaintext on at once; end the connection on a bad
-        one (after passing on those before it)."""
-        app, unseal, error, opened = self._app, self._open, None, 0
-        if app is None or unseal is None:
+        """Open every whole record received: into a waiting `readinto`'s buffer while it has room and nothing
+        came before, else into `_plain`, passed on at once (the head of a record that straddles the end of
+        that buffer goes there). A bad record ends the connection (after passing on those before it)."""
+        app, reader, unseal, error = self._app, self._reader, self._open, None
+        opened = given = 0  # plaintext in `_plain`; of it, at its start, what went into the reader's room
+        if app is None or reader is None or unseal is None:
             return
         with memoryview(self._buffer) as view, memoryview(self._plain) as plain:
             while self._end - self._start >= _LENGTH_BYTES:
@@ -256,21 +273,29 @@ class Channel(asyncio.BufferedProtocol):
                 end = start + _LENGTH_BYTES + size + TAG_BYTES
                 if self._end < end:
                     break
-                try:  # into a buffer kept for the purpose: no fresh memory to fault in per record
+                room = None if opened else reader.room()
+                whole = room is not None and room.nbytes >= size
+                # else into a buffer kept for the purpose: no fresh memory to fault in per record
+                into = room[:size] if room is not None and whole else plain[opened : opened + size]
+                try:
                     unseal.decrypt_into(
-                        _nonce(self._received),
-                        view[start + _LENGTH_BYTES : end],
-                        length,
-                        plain[opened : opened + size],
+                        _nonce(self._received), view[start + _LENGTH_BYTES : end], length, into
                     )
                 except InvalidTag:
                     error = "a record that does not authenticate"
                     break
                 self._received += 1
                 self._start = end
+                if room is not None and whole:
+                    reader.filled(size)
+                    continue
+                if room is not None:  # opened is 0: the record is at the start of `_plain`
+                    given = room.nbytes
+                    room[:] = plain[:given]
+                    reader.filled(given)
                 opened += size
-            if opened:
-                app.data_received(plain[:opened])  # a StreamReader copies what it is given
+            if opened > given:
+                app.data_received(plain[given:opened])  # a StreamReader copies what it is given
         if error is not None:
             self._fail(error)
 

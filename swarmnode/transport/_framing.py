@@ -12,10 +12,11 @@ A frame is a fixed prefix, a msgpack head, then a body of tensor bytes back to b
 Tensors travel as hivemind.compression does it (`runtime_pb2.Tensor` semantics: dtype name, shape, and
 `CompressionType` NONE or FLOAT16), minus the protobuf copies: NONE sends a tensor's own memory (bfloat16 as
 its raw 16 bits), FLOAT16 sends float32 as float16 clamped to its range (byte for byte what hivemind's
-Float16Compression sends; other dtypes travel as they are). Decoded tensors are
-`torch.frombuffer` views of a fresh `bytearray` per tensor (writable, owned by the tensor, never shared).
-Everything read from the wire is checked against `Limits` and the dtype allow-list before any tensor is built,
-and a body's buffers grow only as its bytes arrive; whatever a peer sends, decoding raises only WireError
+Float16Compression sends; other dtypes travel as they are). Each decoded tensor owns fresh memory (writable,
+never shared), allocated uninitialised and filled as its bytes arrive, in place where the stream can
+(`_reader.DirectReader.readinto`), so the memory of a body announced but not sent is never touched (the
+system commits pages as they are written). Everything read from the wire is checked against `Limits` and
+the dtype allow-list before any tensor is built; whatever a peer sends, decoding raises only WireError
 (or IncompleteReadError when the stream ends mid-frame). Error texts are cut to `MAX_ERROR_CHARS`, both sent
 and received, and peer-supplied values quoted in a WireError are cut short.
 """
@@ -35,6 +36,7 @@ import torch
 from hivemind.proto.runtime_pb2 import CompressionType
 
 from swarmnode.transport._errors import WireError
+from swarmnode.transport._reader import DirectReader
 
 MAGIC = b"SWNT"
 VERSION = 1
@@ -323,35 +325,48 @@ def parse_head(kind: Kind, head: bytes, body_len: int, limits: Limits) -> Head:
     return ErrorFrame(fields[0], truncate(fields[1]))
 
 
-Read = Callable[[int], Awaitable[bytes]]
-"""Reads up to n bytes of a stream, as they come; b"" once it ended (`StreamReader.read`)."""
+ReadInto = Callable[[memoryview], Awaitable[int]]
+"""Fills a byte buffer with the next bytes of a stream, as many as come at once; 0 once it ended."""
 
 
-def _build(spec: WireTensor, buffer: bytearray) -> torch.Tensor:
+def read_into(reader: asyncio.StreamReader) -> ReadInto:
+    """How to fill a buffer from `reader`: in place from a direct connection's, else through `read`."""
+    if isinstance(reader, DirectReader):
+        return reader.readinto
+
+    async def through_read(view: memoryview) -> int:
+        chunk = await reader.read(view.nbytes)
+        view[: len(chunk)] = chunk
+        return len(chunk)
+
+    return through_read
+
+
+def _build(spec: WireTensor, raw: torch.Tensor) -> torch.Tensor:
     try:
-        if buffer:
-            tensor = torch.frombuffer(buffer, dtype=spec.wire_dtype).view(spec.shape)
-        else:
-            tensor = torch.empty(spec.shape, dtype=spec.wire_dtype)
+        tensor = raw.view(spec.wire_dtype).view(spec.shape)
         return tensor.to(torch.float32) if spec.compression is Compression.FLOAT16 else tensor
     except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # whatever torch objects to
         raise WireError(f"cannot build shape {show(spec.shape)}: {type(e).__name__}") from None
 
 
-async def read_tensors(read: Read, specs: Sequence[WireTensor]) -> list[torch.Tensor]:
-    """Read a body with `read` and build its tensors, each owning a fresh buffer.
+async def read_tensors(fill: ReadInto, specs: Sequence[WireTensor]) -> list[torch.Tensor]:
+    """Read a body with `fill` and build its tensors, each owning fresh memory.
 
-    Each buffer grows as its bytes arrive: a body announced but not sent costs no memory. Raises
-    IncompleteReadError if the stream ends first."""
+    Each tensor's memory is allocated uninitialised and filled as its bytes arrive, so the pages of a body
+    announced but not sent are never touched. Raises IncompleteReadError if the stream ends first."""
     tensors = []
     for spec in specs:
-        buffer, size = bytearray(), spec.nbytes
-        while len(buffer) < size:
-            chunk = await read(min(size - len(buffer), IO_CHUNK))
-            if not chunk:
-                raise asyncio.IncompleteReadError(b"", size)
-            buffer += chunk
-        tensors.append(_build(spec, buffer))
+        size = spec.nbytes
+        raw = torch.empty(size, dtype=torch.uint8)
+        got = 0
+        with memoryview(raw.numpy()) as view:
+            while got < size:
+                n = await fill(view[got : min(size, got + IO_CHUNK)])
+                if not n:
+                    raise asyncio.IncompleteReadError(b"", size)
+                got += n
+        tensors.append(_build(spec, raw))
     return tensors
 
 
@@ -359,7 +374,7 @@ async def read_frame(reader: asyncio.StreamReader, limits: Limits) -> tuple[Head
     """Read one whole frame (prefix, head, tensors)."""
     kind, head_len, body_len = parse_prefix(await reader.readexactly(PREFIX.size), limits)
     head = parse_head(kind, await reader.readexactly(head_len), body_len, limits)
-    tensors = await read_tensors(reader.read, head.specs) if not isinstance(head, ErrorFrame) else []
+    tensors = await read_tensors(read_into(reader), head.specs) if not isinstance(head, ErrorFrame) else []
     return head, tensors
 
 

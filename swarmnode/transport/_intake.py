@@ -1,6 +1,6 @@
 """What the serving side takes in: request bodies within a byte budget and above a rate floor.
 
-A body's bytes are taken from the budget as they arrive (its buffers grow with them, see
+A body's bytes are taken from the budget as they arrive (its tensors' memory is written as they do, see
 `_framing.read_tensors`) and given back once its request is answered, so a head announcing a large body costs
 nothing until the body comes; a body slower than `min_body_rate` after `body_grace` is dropped.
 """
@@ -13,6 +13,7 @@ from collections import Counter
 from hivemind.p2p import PeerID
 
 from swarmnode.transport._config import TransportConfig, TransportStats
+from swarmnode.transport._framing import read_into
 
 
 class Refusal(Exception):
@@ -72,23 +73,24 @@ class BodyReader:
     ) -> None:
         self._budget = budget
         self._peer_id = peer_id
-        self._reader = reader
+        self._fill = read_into(reader)
         self._rate = config.min_body_rate
         self._start = asyncio.get_running_loop().time() + config.body_grace
         self._taken = 0
 
-    async def read(self, n: int) -> bytes:
-        """Up to `n` bytes, as they come; Dropped if they come later than the rate floor allows."""
+    async def readinto(self, view: memoryview) -> int:
+        """Fill `view` with the bytes that come (0 once the stream ended); Dropped if they come later than the
+        rate floor allows."""
         # at the floor rate, the bytes taken so far were due by this time: the next ones must come by then
         due = self._start + self._taken / self._rate if self._rate > 0 else None
         try:
             async with asyncio.timeout_at(due):
-                chunk = await self._reader.read(n)
+                n = await self._fill(view)
         except TimeoutError:  # only this bound raises it here: a deadline outside cancels instead
             raise Dropped("slow_body", f"body under {self._rate:g} B/s after {self._taken} bytes") from None
-        self._budget.take(self._peer_id, len(chunk))
-        self._taken += len(chunk)
-        return chunk
+        self._budget.take(self._peer_id, n)
+        self._taken += n
+        return n
 
     def close(self) -> None:
         self._budget.give_back(self._peer_id, self._taken)

@@ -228,7 +228,7 @@ class Server:
         body = BodyReader(self._budget, peer_id, reader, config)
         try:
             async with asyncio.timeout_at(deadline):
-                tensors = await read_tensors(body.read, request.specs)
+                tensors = await read_tensors(body.readinto, request.specs)
             reply, written = await self._dispatch(peer_id, request, tensors, deadline)
         finally:
             body.close()
