@@ -10,12 +10,17 @@ Candidates, all between two OS processes on loopback (each with its own p2pd whe
                     plaintext, which a daemon offers only on loopback.
 - swarmnode encrypted: the same direct stream, encrypted and bound to both libp2p identities: the path two
                     daemons on different hosts use by default (`remote_default` in the JSON).
-- plain TCP:        swarmnode framing on one persistent asyncio TCP connection: the loopback ceiling.
+- plain TCP, in place: the same, read as the direct path reads (`_channel.Channel`, plaintext, no handshake):
+                    a tensor's bytes received straight into its memory instead of through a StreamReader.
+- plain TCP:        swarmnode framing on one persistent asyncio TCP connection (a StreamReader: three copies
+                    on the way into a tensor): the baseline every ratio is taken against (`ratio_vs_tcp`).
 
 Each runs with the tensor as float32 and as float16 on the wire (hivemind's FLOAT16); MiB/s counts the fp32
-size; CPU is that of both processes and both p2pd together. Run `python benchmarks/transport_bench.py`
-(about a minute; `--quick`: a few seconds; `--json FILE`: also write every cell as a row, with the machine's
-load; `--options "swarmnode encrypted"`: that option and plain TCP only).
+size; CPU is that of both processes and both p2pd together. Since the direct path reads in place, it can be
+faster than "plain TCP"; "plain TCP, in place" is its ceiling (`ratio_vs_in_place` in the JSON). Run
+`python benchmarks/transport_bench.py` (about a minute; `--quick`: a few seconds; `--json FILE`: also write
+every cell as a row, with the machine's load; `--options "swarmnode encrypted"`: that option and plain TCP
+only).
 
 `--netns` (root, `ip netns`): the two processes on two hosts instead, network namespaces on one switched
 segment (`tests/netns.py`), each with its own address, so that every option crosses veths and a bridge as
@@ -57,6 +62,7 @@ from hivemind.utils.streaming import split_for_streaming
 
 from swarmnode.identity import Identity
 from swarmnode.transport import Compression, Limits, Transport, TransportConfig
+from swarmnode.transport._channel import Channel
 from swarmnode.transport._framing import encode_request, encode_response, read_frame, write_frame
 
 SIZES = (16, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
@@ -71,6 +77,7 @@ OPTIONS = (
     "swarmnode libp2p",
     "swarmnode direct",
     "swarmnode encrypted",
+    "plain TCP, in place",
     "plain TCP",
 )
 LOOPBACK_ONLY = ("swarmnode direct",)
@@ -177,9 +184,20 @@ async def _serve(conn: Connection, place: Place) -> None:
     transport.register("ack", _ack)
     await transport.start()
     tcp = await asyncio.start_server(_tcp_session, place.address, 0)
-    conn.send(([str(maddr) for maddr in await p2p.get_visible_maddrs()], tcp.sockets[0].getsockname()[1]))
-    await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until the client says stop
+    sessions: set[asyncio.Task[None]] = set()
+
+    def in_place_session(channel: Channel) -> None:
+        session = asyncio.ensure_future(_tcp_session(*channel.open_streams(None, None)))
+        sessions.add(session)
+        session.add_done_callback(sessions.discard)
+
+    loop = asyncio.get_running_loop()
+    in_place = await loop.create_server(lambda: Channel(in_place_session), place.address, 0)
+    ports = tuple(server.sockets[0].getsockname()[1] for server in (tcp, in_place))
+    conn.send(([str(maddr) for maddr in await p2p.get_visible_maddrs()], ports))
+    await loop.run_in_executor(None, conn.recv)  # until the client says stop
     tcp.close()
+    in_place.close()
     await transport.close()
     await p2p.shutdown()
 
@@ -255,7 +273,7 @@ async def _client(
     place: Place,
     server_place: Place,
     maddrs: list[str],
-    port: int,
+    ports: tuple[int, int],
     sizes: tuple[int, ...],
     budget: float,
     options: tuple[str, ...],
@@ -267,8 +285,11 @@ async def _client(
     per_call = Transport(p2p, dataclasses.replace(CONFIG, max_idle_streams=0))
     encrypted = Transport(p2p, place.encrypted, identity=identity)
     direct = Transport(p2p, place.direct) if place.address == LOOPBACK else encrypted  # (left out below)
-    reader, writer = await asyncio.open_connection(server_place.address, port)
+    reader, writer = await asyncio.open_connection(server_place.address, ports[0])
     writer.transport.set_write_buffer_limits(high=0)
+    _, channel = await asyncio.get_running_loop().create_connection(Channel, server_place.address, ports[1])
+    in_place_reader, in_place_writer = channel.open_streams(None, None)
+    in_place_writer.transport.set_write_buffer_limits(high=0)
 
     async def unary(tensor: torch.Tensor, compression: Compression) -> None:
         request = ExpertRequest(tensors=[serialize_torch_tensor(tensor, _hivemind_compression(compression))])
@@ -288,14 +309,26 @@ async def _client(
 
         return push
 
-    async def tcp(tensor: torch.Tensor, compression: Compression) -> None:
-        await write_frame(writer, encode_request("ack", 60.0, compression, b"", [tensor], compression))
-        await read_frame(reader, CONFIG.limits)
+    def tcp_through(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Push:
+        async def push(tensor: torch.Tensor, compression: Compression) -> None:
+            await write_frame(writer, encode_request("ack", 60.0, compression, b"", [tensor], compression))
+            await read_frame(reader, CONFIG.limits)
+
+        return push
 
     pushes = dict(
         zip(
             OPTIONS,
-            (unary, stream, via(per_call), via(persistent), via(direct), via(encrypted), tcp),
+            (
+                unary,
+                stream,
+                via(per_call),
+                via(persistent),
+                via(direct),
+                via(encrypted),
+                tcp_through(in_place_reader, in_place_writer),
+                tcp_through(reader, writer),
+            ),
             strict=True,
         )
     )
@@ -317,6 +350,7 @@ async def _client(
                     results[option, compression, size] = cells.get(option)  # None: over the cap
     finally:
         writer.close()
+        in_place_writer.close()
         for transport in {persistent, per_call, direct, encrypted}:
             await transport.close()
         if REMOTE_DEFAULT in pushes and encrypted.stats.streams_opened["encrypted"] == 0:
@@ -366,6 +400,7 @@ def _rows(results: Results) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for (option, compression, size), cell in results.items():
         ceiling = results["plain TCP", compression, size]
+        in_place = results.get(("plain TCP, in place", compression, size))
         if cell is None or ceiling is None:
             continue
         rows.append(
@@ -377,6 +412,7 @@ def _rows(results: Results) -> list[dict[str, object]]:
                 "mib_per_s": size / 2**20 / cell.seconds,
                 "cpu_seconds": cell.cpu_seconds,
                 "ratio_vs_tcp": ceiling.seconds / cell.seconds,
+                "ratio_vs_in_place": None if in_place is None else in_place.seconds / cell.seconds,
                 "cpu_vs_tcp": cell.cpu_seconds / max(ceiling.cpu_seconds, 1e-6),
                 "remote_default": option == REMOTE_DEFAULT,
             }
@@ -493,8 +529,8 @@ def main() -> None:
         server = ctx.Process(target=_server_main, args=(theirs, server_place), daemon=True)
         server.start()
         try:
-            maddrs, port = ours.recv()
-            work = (client_place, server_place, maddrs, port, sizes, budget, options)
+            maddrs, ports = ours.recv()
+            work = (client_place, server_place, maddrs, ports, sizes, budget, options)
             results = _client_elsewhere(ctx, *work) if client_place.namespace else uvloop.run(_client(*work))
         finally:
             ours.send("stop")
