@@ -98,7 +98,7 @@ class FiniteFloatRange(click.FloatRange):
     "--checkfree-plus/--no-checkfree-plus",
     default=True,
     show_default=True,
-    help="CheckFree+ swaps and copies.",
+    help="CheckFree+: copies of the embeddings, and edge-stage swaps (4 or more transformer stages only).",
 )
 @click.option(
     "--respawn-delay",
