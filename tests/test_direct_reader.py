@@ -47,13 +47,16 @@ def _receive(channel: Channel, data: bytes) -> None:
 @asynccontextmanager
 async def _connected() -> AsyncIterator[Channel]:
     """A channel on a real loopback TCP connection to a server that sends nothing."""
-    server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    accepted: list[asyncio.StreamWriter] = []
+    server = await asyncio.start_server(lambda _, writer: accepted.append(writer), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     transport, channel = await asyncio.get_running_loop().create_connection(Channel, "127.0.0.1", port)
     try:
         yield channel
     finally:
         transport.close()
+        for writer in accepted:
+            writer.close()
         server.close()
         await server.wait_closed()
 
@@ -197,6 +200,8 @@ def test_frames_of_any_size_cross_a_real_connection_whole(sealed: bool) -> None:
                     assert torch.equal(got, want)
         finally:
             transport.close()
+            if accepted.done():
+                accepted.result().close()
             server.close()
             await server.wait_closed()
 
