@@ -166,4 +166,4 @@ def _exact_body(fields: Any) -> bytes:
         nbytes = sum(WIRE_DTYPES[dtype].itemsize * math.prod(shape) for dtype, _, shape in fields[-1])
     except Exception:  # fields not shaped like a head: no body
         return b""
-    return bytes(nbytes) if 0 <= nbytes <= 4096 else b""
+    return bytes(nbytes) if isinstance(nbytes, int) and 0 <= nbytes <= 4096 else b""  # a float shape: none
