@@ -108,6 +108,7 @@ def plan_recovery(
     embedding_copy_held: bool,
     head_copy_held: bool,
     lr_factor: float = DEFAULT_LR_FACTOR,
+    edge_swaps: bool = True,
 ) -> Recovery:
     """How `stage` gets its weights, given which stages are alive.
 
@@ -120,7 +121,8 @@ def plan_recovery(
     optimizer (copies carry none) at lr factor 1; reinitialised stages reset it at lr factor 1.
 
     A lost edge stage is a copy of its swap partner (`checkfree_plus_copy`) only with CheckFree+ on and a
-    partner node that served in its place in at least `MIN_STAND_INS` iterations of that window. Otherwise it
+    partner node that served in its place in at least `MIN_STAND_INS` iterations of that window (by swaps,
+    unless the run turned them off (`edge_swaps`), or by paths that skipped the edge stage). Otherwise it
     is CheckFree's average over its one transformer neighbour, which is a copy of that neighbour, and the
     reason says why no partner's copy: the paper ranks a neighbour's copy above fresh weights
     (spec/checkfree.md, ablations); on the 3-stage tiny model it was better for stage 1 and as good for
@@ -129,6 +131,8 @@ def plan_recovery(
     s, live = num_stages, set(alive)
     _check_plan_args(num_stages, (stage, *live), lr_factor)
     _check_stood_in(num_stages, checkfree_plus, stood_in)
+    if not isinstance(edge_swaps, bool):
+        raise LocalProtocolError(f"edge_swaps must be a bool, got {edge_swaps!r}")
 
     def plan(method: Method, sources: tuple[int, ...], reason: str) -> Recovery:
         fresh = method is not Method.REPLICA
@@ -173,12 +177,12 @@ def plan_recovery(
                 f"stage {partner} served microbatches in stage {stage}'s place in {served} of the last "
                 f"{STAND_IN_WINDOW_STEPS} steps",
             )
+        why = _no_stand_in(stage, partner, s, checkfree_plus, edge_swaps, served)
         return plan(
             Method.CHECKFREE,
             (partner,),
             f"stage {stage} rebuilt as a copy of stage {partner}, its only transformer neighbour (no swap "
-            f"partner's copy: {_no_stand_in(stage, partner, s, checkfree_plus, served)}; a neighbour's copy "
-            "recovers at least as well as fresh weights)",
+            f"partner's copy: {why}; a neighbour's copy recovers at least as well as fresh weights)",
         )
 
     lost_neighbours = [k for k in (stage - 1, stage + 1) if k not in live]
@@ -192,7 +196,9 @@ def plan_recovery(
     )
 
 
-def _no_stand_in(stage: int, partner: int, num_stages: int, checkfree_plus: bool, served: int) -> str:
+def _no_stand_in(
+    stage: int, partner: int, num_stages: int, checkfree_plus: bool, edge_swaps: bool, served: int
+) -> str:
     """Why a lost edge stage is no copy of its swap partner, in words."""
     if not checkfree_plus:
         return "CheckFree+ is off"
@@ -205,6 +211,8 @@ def _no_stand_in(stage: int, partner: int, num_stages: int, checkfree_plus: bool
     if num_stages < SWAP_MIN_STAGES:
         why += f"; a model of {num_stages} transformer stages never swaps"
         why += f" (CheckFree+ swaps need {SWAP_MIN_STAGES})"
+    elif not edge_swaps:
+        why += "; this run does not swap edge stages (edge swaps off)"
     return why
 
 
@@ -217,6 +225,7 @@ def plan_recoveries(
     embedding_copy_held: bool,
     head_copy_held: bool,
     lr_factor: float = DEFAULT_LR_FACTOR,
+    edge_swaps: bool = True,
 ) -> dict[int, Recovery]:
     """The plan for every lost stage (stages 0..s not in `alive`), keyed by stage, in stage order."""
     live = set(alive)
@@ -233,6 +242,7 @@ def plan_recoveries(
                 embedding_copy_held=embedding_copy_held,
                 head_copy_held=head_copy_held,
                 lr_factor=lr_factor,
+                edge_swaps=edge_swaps,
             )
     return plans
 

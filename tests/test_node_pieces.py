@@ -256,6 +256,14 @@ def test_checkfree_plus_swaps_both_edge_pairs_of_every_other_microbatch() -> Non
             assert dict(zip(mb.path, mb.visits, strict=True))["n1"] == 8
 
 
+def test_a_run_without_edge_swaps_keeps_every_path_in_order() -> None:
+    spec = RunSpec(run_id="r", stages=6, microbatches=8, checkfree_plus=True, edge_swaps=False, preset="tiny")
+    view = swarm_read(s0=("d",), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
+    for iteration in (1, 2):
+        planned = plan_iteration(view, "d", spec, iteration=iteration, tokens_per_microbatch=1024)
+        assert len(planned) == 8 and all(mb.stages[1:-1] == (1, 2, 3, 4, 5, 6) for mb in planned)
+
+
 def test_checkfree_plus_swaps_every_data_node_evenly() -> None:
     # two data nodes with one microbatch each: each swaps every other iteration, never both at once
     spec = RunSpec(run_id="r", stages=6, microbatches=1, checkfree_plus=True, preset="tiny")
@@ -507,6 +515,7 @@ def test_run_spec_round_trips_and_rejects_bad_fields() -> None:
         ("lr", 0, "a finite number > 0"),
         ("skip_ratio", 1.0, "a finite number in [0, 1)"),
         ("checkfree_plus", 1, "true or false"),
+        ("edge_swaps", "yes", "true or false"),
         ("compression", "zip", "one of float16, none"),
         ("batch_size", True, "an int in 1.."),
         ("run_id", "", "printable text of 1..64 characters"),

@@ -154,8 +154,14 @@ def _peers_or_fail(value: str | None) -> list[str]:
     "--checkfree-plus/--no-checkfree-plus",
     default=None,
     help="CheckFree+ (default on): copies of the embeddings next door and, with 4 or more transformer "
-    "stages, edge stages swapped on half the microbatches, which costs 5-10% of validation loss when no "
-    "edge stage is lost (docs/swarm-quality.md).",
+    "stages, edge stages swapped on half the microbatches (see --edge-swaps).",
+)
+@click.option(
+    "--edge-swaps/--no-edge-swaps",
+    default=None,
+    help="CheckFree+'s edge-stage swaps (default on, as in the paper): they cost 5-10% of validation loss "
+    "when no edge stage is lost, and make a lost edge stage a copy of the partner that stood in for it "
+    "(docs/swarm-quality.md); off, CheckFree+ keeps only the copies of the embeddings.",
 )
 @click.option(
     "--skip-ratio",
@@ -221,6 +227,7 @@ def bootstrap(
     tokenizer: Path | None,
     seed: int | None,
     checkfree_plus: bool | None,
+    edge_swaps: bool | None,
     skip_ratio: float | None,
     planner: str | None,
     noloco_every: int | None,
@@ -258,6 +265,7 @@ def bootstrap(
             microbatches=microbatches,
             seed=seed,
             checkfree_plus=checkfree_plus,
+            edge_swaps=edge_swaps,
             skip_ratio=skip_ratio,
             planner=planner,
             noloco_inner_steps=noloco_every,

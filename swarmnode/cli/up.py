@@ -101,6 +101,12 @@ class FiniteFloatRange(click.FloatRange):
     help="CheckFree+: copies of the embeddings, and edge-stage swaps (4 or more transformer stages only).",
 )
 @click.option(
+    "--edge-swaps/--no-edge-swaps",
+    default=True,
+    show_default=True,
+    help="CheckFree+'s edge-stage swaps (off: only the copies of the embeddings).",
+)
+@click.option(
     "--respawn-delay",
     type=FiniteFloatRange(min=0.0),
     default=2.0,
@@ -177,6 +183,7 @@ def up(
     kills: tuple[StageKill, ...],
     calm: bool,
     checkfree_plus: bool,
+    edge_swaps: bool,
     respawn_delay: float,
     standbys: int,
     out: Path,
@@ -225,6 +232,7 @@ def up(
         fail_rate=fail_rate,
         kills=kills,
         checkfree_plus=checkfree_plus,
+        edge_swaps=edge_swaps,
         device=device,
         dtype=dtype,
         respawn_delay=respawn_delay,

@@ -36,6 +36,7 @@ class SwarmConfig:
     fail_rate: float = 0.0
     kills: tuple[StageKill, ...] = ()
     checkfree_plus: bool = True
+    edge_swaps: bool = True  # CheckFree+'s swaps (`bootstrap --edge-swaps`)
     device: str = "auto"  # every node's `join --device`
     dtype: str = "float32"  # the run's compute dtype (`bootstrap --dtype`)
     respawn_delay: float = 2.0
@@ -97,7 +98,8 @@ class SwarmConfig:
             *self.command, "bootstrap", "--preset", self.preset, "--stages", str(self.stages),
             "--run-id", self.run_id, "--host", "127.0.0.1", "--port", "0",
             "--peers-file", str(self.peers_file), "--steps", str(self.steps), "--seed", str(self.seed),
-            "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus", "--dtype", self.dtype,
+            "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus",
+            "--edge-swaps" if self.edge_swaps else "--no-edge-swaps", "--dtype", self.dtype,
             "--skip-ratio", str(self.skip_ratio), "--planner", self.planner,
             "--min-data-nodes", str(self.data_nodes), "--min-replicas", str(self.replicas),
             *self._log_options(),
@@ -162,6 +164,7 @@ class SwarmConfig:
             "fail_rate_unit": FAIL_RATE_UNIT,
             "kills": [str(kill) for kill in self.kills],
             "checkfree_plus": self.checkfree_plus,
+            "edge_swaps": self.edge_swaps,
             "device": self.device,
             "dtype": self.dtype,
             "respawn_delay": self.respawn_delay,

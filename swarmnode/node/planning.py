@@ -220,7 +220,7 @@ def plan_iteration(
     for mb in ids:
         path = paths[mb]
         hops = path[1:-1]
-        if spec.checkfree_plus and swaps_edge_pairs(spec.stages, iteration, mb):
+        if spec.checkfree_plus and spec.edge_swaps and swaps_edge_pairs(spec.stages, iteration, mb):
             order = swap_edge_pairs(tuple(stage_ids[view.stage_of[node]] for node in hops), spec.stages)
             path = (path[0], *(hops[i] for i in order), path[-1])
         planned.append(

@@ -216,6 +216,7 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
         num_stages=spec.stages,
         alive=alive,
         checkfree_plus=spec.checkfree_plus,
+        edge_swaps=spec.edge_swaps,
         stood_in={node.stage: max(reports.values())} if reports else {},
         embedding_copy_held=holders[StatePart.EMBEDDING_COPY],
         head_copy_held=holders[StatePart.HEAD_COPY],

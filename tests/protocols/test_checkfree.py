@@ -275,7 +275,7 @@ def test_reasons_are_plain() -> None:
     )
 
 
-def edge_plan(stage: int, s: int, alive: set[int], plus: bool, stood: int) -> Recovery:
+def edge_plan(stage: int, s: int, alive: set[int], plus: bool, stood: int, swaps: bool = True) -> Recovery:
     return plan_recovery(
         stage,
         num_stages=s,
@@ -284,7 +284,20 @@ def edge_plan(stage: int, s: int, alive: set[int], plus: bool, stood: int) -> Re
         stood_in={stage: stood},
         embedding_copy_held=True,
         head_copy_held=True,
+        edge_swaps=swaps,
     )
+
+
+def test_without_edge_swaps_an_edge_stage_is_a_partner_copy_only_where_skipping_paths_put_it_there() -> None:
+    unswapped = edge_plan(1, 6, {0, 2, 3, 4, 5, 6}, plus=True, stood=0, swaps=False)
+    assert (unswapped.method, unswapped.sources) == (CF, (2,))
+    assert "; this run does not swap edge stages (edge swaps off)" in unswapped.reason
+    skipped = edge_plan(6, 6, {0, 1, 2, 3, 4, 5}, plus=True, stood=MIN_STAND_INS, swaps=False)
+    assert (skipped.method, skipped.sources) == (CFP, (5,))
+    three = edge_plan(3, 3, {0, 1, 2}, plus=True, stood=0, swaps=False).reason
+    assert "never swaps" in three and "edge swaps off" not in three  # the stage count says it first
+    with pytest.raises(LocalProtocolError, match="edge_swaps must be a bool"):
+        edge_plan(1, 6, {0, 2, 3, 4, 5, 6}, plus=True, stood=0, swaps=1)  # type: ignore[arg-type]
 
 
 def test_an_edge_stage_is_a_swap_partner_copy_only_where_a_partner_stood_in_recently() -> None:
