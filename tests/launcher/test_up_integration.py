@@ -89,3 +89,27 @@ def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
     assert iterations["simulated"] > 0 and report["skip_ratio"] == 0.0, iterations
     assert "all 8 nodes joined" in stderr and f"completed: {STEPS} steps done" in stderr
     assert "stage 2 lost" in stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(LAUNCHER_TIMEOUT_S + 120)
+@pytest.mark.parametrize("swaps", [True, False], ids=["edge-swaps", "no-edge-swaps"])
+def test_an_edge_stage_is_its_partners_copy_only_where_the_run_swaps(tmp_path: Path, swaps: bool) -> None:
+    """Six stages, stage 1 killed: with the swaps, its partner (stage 2) stood in for it and it comes back
+    as that partner's copy; `--no-edge-swaps` reaches the bootstrap, the planner and the recovery, and it
+    comes back as CheckFree's neighbour copy, saying why."""
+    out = tmp_path / "swarm"
+    argv = [sys.executable, "-m", "swarmnode", "up", "--stages", "6", "--replicas", "1", "--data-nodes", "1"]
+    # by step 12 stage 2 stood in on 12 iterations (one microbatch of two swaps in each), 4 needed
+    argv += ["--steps", "24", "--kill", "1@12", "--out", str(out), "--timeout", str(LAUNCHER_TIMEOUT_S)]
+    argv += ["--edge-swaps" if swaps else "--no-edge-swaps"]
+    launched = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCHER_TIMEOUT_S + 60)
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["outcome"] == "completed" and report["settings"]["edge_swaps"] is swaps
+    [recovery] = report["recoveries"]
+    assert recovery["stage"] == 1 and recovery["method"] == ("checkfree_plus_copy" if swaps else "checkfree")
+    said = "this run does not swap edge stages (edge swaps off)"
+    logs = "".join(path.read_text() for path in (out / "logs").iterdir())
+    assert (said in logs) is not swaps
+    assert [node["name"] for node in report["nodes"] if group_running(node["pid"])] == []
