@@ -121,7 +121,7 @@ class RunSpec(Schema):
     node_memory: int = field(default=4, metadata=POSITIVE)
     checkfree_plus: bool = field(default=True, metadata=checked(flag))
     # CheckFree+'s edge-stage swaps (`protocols.checkfree.swaps_edge_pairs`); off, CheckFree+ keeps only the
-    # copies of the embeddings (the swaps cost 5-10% of validation loss when no edge stage is lost)
+    # copies of the embeddings (the swaps cost 3-10% of validation loss when no edge stage is lost)
     edge_swaps: bool = field(default=True, metadata=checked(flag))
     noloco_inner_steps: int = field(default=50, metadata=POSITIVE)
     noloco_alpha: float = field(default=0.5, metadata=checked(number()))

@@ -159,7 +159,7 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option(
     "--edge-swaps/--no-edge-swaps",
     default=None,
-    help="CheckFree+'s edge-stage swaps (default on, as in the paper): they cost 5-10% of validation loss "
+    help="CheckFree+'s edge-stage swaps (default on, as in the paper): they cost 3-10% of validation loss "
     "when no edge stage is lost, and make a lost edge stage a copy of the partner that stood in for it "
     "(docs/swarm-quality.md); off, CheckFree+ keeps only the copies of the embeddings.",
 )
