@@ -70,9 +70,12 @@ def swarm_row(preset: str, steps: int, device: str, dtype: str, seed: int, timeo
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 120, check=False)
         seconds = time.perf_counter() - started
         report_path = out / "run" / "report.json"
-        if not report_path.is_file():
+        report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.is_file() else {}
+        if report.get("outcome") != "completed":  # the evidence, before the run's folder goes
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+            print(f"swarm row {device} {dtype} did not complete:\n{tail}", file=sys.stderr)
+        if not report:
             return Row("swarm", device, dtype, None, None, seconds, f"no report (exit {done.returncode})")
-        report: dict[str, Any] = json.loads(report_path.read_text())
         note = "" if report["outcome"] == "completed" else report["outcome"]
         return Row("swarm", device, dtype, report["tokens_per_second"], report["val_loss"], seconds, note)
     finally:

@@ -85,6 +85,14 @@ class Precision:
         with torch.autocast(self.device.type, dtype=self.dtype):
             yield
 
+    def synchronize(self) -> None:
+        """Wait for the work queued on this device (a CUDA or Metal kernel runs after its call returns, so a
+        job timed without this is charged to the next one). Nothing to wait for on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
+
     def scaler(self) -> LossScaler:
         """The loss scaler for this precision: dynamic for float16, a constant 1 otherwise."""
         return LossScaler(dynamic=self.dtype == torch.float16)

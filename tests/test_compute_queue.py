@@ -52,6 +52,25 @@ def test_a_job_not_measured_leaves_busy_seconds_alone() -> None:
     assert before == 0.0 and after >= 0.1
 
 
+def test_a_measured_job_waits_for_its_device_work_before_its_time_is_read() -> None:
+    """A GPU runs a kernel after its call returns: the queue synchronises the device at the end of each
+    measured job (work the job queued is its time, not the next job's), and not after a validation pass."""
+    waited: list[float] = []
+
+    async def main() -> float:
+        queue = ComputeQueue(time.perf_counter, lambda: waited.append(time.sleep(0.1) or queue.busy_seconds))
+        queue.start()
+        try:
+            await queue.submit(Priority.FORWARD, lambda: None, measured=False)
+            await queue.submit(Priority.FORWARD, lambda: None)
+            return queue.busy_seconds
+        finally:
+            await queue.close()
+
+    busy = asyncio.run(main())
+    assert waited == [0.0] and busy >= 0.1  # one wait, counted in the job's time
+
+
 def test_throughput_is_measured_after_the_first_microbatches_and_over_a_window() -> None:
     meter = ThroughputMeter(skip=4, window=6)
     assert meter.rate(served=3, tokens=300, busy_seconds=9.0) == 0.0  # warming up

@@ -143,6 +143,20 @@ def test_float16_data_node_scales_its_loss_and_unscales_its_step() -> None:
     assert torch.allclose(grads[1.0], grads[2.0**10], rtol=1e-2, atol=1e-6)
 
 
+def test_validation_embedding_travels_like_training_ones_and_holds_nothing() -> None:
+    """A validation microbatch's embedding leaves in the wire's dtype on the host, as a training one does
+    (on a GPU the token ids go to the device first), with no gradient and nothing held for a backward."""
+    piece = build_piece(CONFIG, 0, 1, seed=0)
+    worker = DataWorker(
+        piece, StageOptimizer(piece, Schedule(1e-2, 0, 100)), wire=Wire(torch.bfloat16, torch.bfloat16)
+    )
+    tokens = torch.randint(0, 64, (2, 8))
+    hidden = worker.embed_eval(tokens)
+    assert hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu" and not hidden.requires_grad
+    assert worker.in_flight == 0
+    assert torch.equal(hidden, worker.embed(MicrobatchKey("d", 0, 0), tokens, 0.0))
+
+
 def test_bfloat16_training_on_cpu_lowers_the_loss_like_float32() -> None:
     figures = {
         dtype: train(TrainConfig(steps=12, eval_every=12, eval_batches=2, dtype=dtype, device="cpu"))

@@ -67,7 +67,9 @@ class ThroughputMeter:
 class ComputeQueue:
     """Serialises torch work onto one thread; `busy_seconds` feeds the throughput the node announces."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.perf_counter, synchronize: Callable[[], None] = lambda: None
+    ) -> None:
         self._queue: asyncio.PriorityQueue[tuple[int, int, Callable[[], Any], bool, asyncio.Future[Any]]] = (
             asyncio.PriorityQueue()
         )
@@ -75,6 +77,7 @@ class ComputeQueue:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmnode-compute")
         self._worker: asyncio.Task[None] | None = None
         self._clock = clock
+        self._synchronize = synchronize  # waits for the device's queued work, so that a job's time is its own
         self.busy_seconds = 0.0  # written by the compute thread only
 
     def start(self) -> None:
@@ -113,6 +116,7 @@ class ComputeQueue:
         try:
             return fn()
         finally:
+            self._synchronize()
             self.busy_seconds += self._clock() - started
 
     async def close(self) -> None:

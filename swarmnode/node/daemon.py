@@ -82,7 +82,9 @@ class Node(ABC):
         self.piece = build_piece(self.model_config, stage, spec.stages, spec.seed).to(self.precision.device)
         schedule = Schedule(spec.lr, spec.warmup_steps, spec.total_steps)
         self.optimizer = StageOptimizer(self.piece, schedule, spec.max_grad_norm)
-        self.compute = ComputeQueue(compute_clock(self.precision.device.type, torch.get_num_threads()))
+        self.compute = ComputeQueue(
+            compute_clock(self.precision.device.type, torch.get_num_threads()), self.precision.synchronize
+        )
         self.state = NodeState.JOINING
         self.swarm_read = SwarmRead({})  # the latest read of the DHT
         self._remembered = RememberedView(VIEW_GRACE_TTLS * spec.record_ttl_s)

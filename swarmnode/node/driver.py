@@ -256,7 +256,7 @@ class DataNode(Node):
         now = time.monotonic()
         if machine.evaluation:
             hidden = await self.compute.submit(
-                Priority.FORWARD, lambda: self.piece.embed(inputs).detach(), measured=False
+                Priority.FORWARD, lambda: self.worker.embed_eval(inputs), measured=False
             )
         else:
             hidden = await self.compute.submit(Priority.FORWARD, lambda: self.worker.embed(key, inputs, now))

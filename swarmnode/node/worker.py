@@ -265,6 +265,11 @@ class DataWorker:
         self._embedded[key] = _Held(tokens, hidden, now)
         return _to_wire(hidden, self.wire.activations)
 
+    def embed_eval(self, tokens: Tensor) -> Tensor:
+        """A validation microbatch's embedding, as it travels: nothing held, no gradient."""
+        with torch.no_grad():
+            return _to_wire(self.piece.embed(tokens.to(self.precision.device)), self.wire.activations)
+
     def loss_and_grad(self, hidden: Tensor, targets: Tensor, scale: float) -> tuple[float, Tensor]:
         """Loss at the head for returned activations; backward through the head; the hidden-state gradient.
 
