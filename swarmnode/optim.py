@@ -91,6 +91,15 @@ class StageOptimizer:
         self.adam.zero_grad()
         return norm
 
+    def gradients_finite(self) -> bool:
+        """Whether every accumulated gradient is finite (a float16 pass may have overflowed)."""
+        norms = [torch.linalg.vector_norm(p.grad) for p in self.module.parameters() if p.grad is not None]
+        return not norms or math.isfinite(float(torch.linalg.vector_norm(torch.stack(norms))))
+
+    def discard(self) -> None:
+        """Drop the accumulated gradients without an update."""
+        self.adam.zero_grad()
+
     def reset(self, lr_factor: float) -> None:
         """Fresh Adam moments (a rebuilt stage) and the lr multiplied by `lr_factor`; the schedule goes on."""
         self.adam.state.clear()

@@ -20,7 +20,7 @@ from swarmnode.hf import SplitStateDicts
 from swarmnode.modeldir import check_shape, load_pieces, read_model_folder, write_model_folder
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import DataPiece, build_piece
-from swarmnode.precision import Precision
+from swarmnode.precision import LossScaler, Precision
 from swarmnode.presets import Preset, get_preset
 
 
@@ -83,6 +83,20 @@ def evaluate(
     return sum(losses) / len(losses)
 
 
+def step_together(optimizers: list[StageOptimizer], scaler: LossScaler) -> list[float]:
+    """One update of every stage, or of none: a float16 overflow in stage k leaves the gradients of the
+    stages before it non-finite, and the stages after it must not step alone (a single process's loss scaler
+    skips the whole step). The gradient norms; the scale backs off after an overflow."""
+    if scaler.dynamic and not all(optimizer.gradients_finite() for optimizer in optimizers):
+        for optimizer in optimizers:
+            optimizer.discard()
+        scaler.update(overflowed=True)
+        return [math.inf] * len(optimizers)
+    norms = [optimizer.step(1.0 / scaler.scale) for optimizer in optimizers]
+    scaler.update(overflowed=not all(math.isfinite(norm) for norm in norms))
+    return norms
+
+
 def train(
     config: TrainConfig,
     on_progress: Callable[[Progress], None] | None = None,
@@ -142,8 +156,7 @@ def train(
                 loss = data_piece.loss(hidden, targets)
             (loss.float() * (scaler.scale / preset.microbatches)).backward()
             step_loss += float(loss.detach()) / preset.microbatches
-        norms = [optimizer.step(1.0 / scaler.scale) for optimizer in optimizers]
-        scaler.update(overflowed=not all(math.isfinite(norm) for norm in norms))
+        step_together(optimizers, scaler)
         compute_seconds += time.perf_counter() - tick
         losses.append(step_loss)
         if not math.isfinite(losses[-1]):

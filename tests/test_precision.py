@@ -26,7 +26,7 @@ from swarmnode.precision import (
     wire_dtypes,
 )
 from swarmnode.runspec import RunSpec, RunSpecError
-from swarmnode.trainer import TrainConfig, train
+from swarmnode.trainer import TrainConfig, step_together, train
 
 CONFIG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=8)
 CPU = torch.device("cpu")
@@ -122,6 +122,44 @@ def test_float16_overflow_loses_the_microbatch_skips_the_update_and_backs_off() 
     worker.backward(key, torch.randn(2, 8, 32) * 1e-3)
     norm = worker.step_group(key.group)
     assert norm is not None and 0 < norm < 10 and worker.optimizer.updates == 1
+
+
+def test_activations_beyond_float16_stop_at_their_sender() -> None:
+    """A float16 wire cannot carry an activation above 65504; the receiver would reject the infinity as
+    hostile and ban the sender, so the sender raises Overflow (the stage aborts the microbatch) and keeps
+    the microbatch held until that abort drops it. A float32 wire carries the same values."""
+    _, worker = stage_worker(torch.float16, Wire(torch.float16, torch.float32))
+    key = MicrobatchKey("a", 0, 0)
+    with pytest.raises(Overflow, match="exceed float16's range"):
+        worker.forward(key, torch.full((2, 8, 32), 1e6), 0.0)
+    assert worker.in_flight == 1 and worker.drop(key)
+    with pytest.raises(Overflow, match="a validation microbatch"):
+        worker.evaluate(torch.full((2, 8, 32), 1e6))
+    assert torch.isfinite(worker.forward(key, torch.randn(2, 8, 32), 0.0)).all()
+    _, wide = stage_worker(torch.float16, Wire(torch.float32, torch.float32))
+    assert torch.isfinite(wide.forward(key, torch.full((2, 8, 32), 1e6), 0.0)).all()
+
+
+def test_the_trainer_steps_every_stage_or_none_after_a_float16_overflow() -> None:
+    """An overflow in one stage leaves the stages before it non-finite; those after it must not step alone."""
+    pieces = [build_stage(CONFIG, k, 2, seed=0) for k in (1, 2)]
+    optimizers = [StageOptimizer(piece, Schedule(1e-2, 0, 100)) for piece in pieces]
+    scaler = LossScaler(dynamic=True, initial=2.0**10)
+    before = [[p.detach().clone() for p in piece.parameters()] for piece in pieces]
+    for piece, value in zip(pieces, (math.inf, 1e-3), strict=True):
+        for p in piece.parameters():
+            p.grad = torch.full_like(p, value)
+    norms = step_together(optimizers, scaler)
+    assert not any(math.isfinite(n) for n in norms) and scaler.scale == 2.0**9
+    for piece, old in zip(pieces, before, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(old, piece.parameters(), strict=True))
+        assert all(p.grad is None for p in piece.parameters())
+    assert [o.updates for o in optimizers] == [0, 0]
+    for piece in pieces:
+        for p in piece.parameters():
+            p.grad = torch.full_like(p, 1e-3 * scaler.scale)
+    norms = step_together(optimizers, scaler)
+    assert all(0 < n < 1 for n in norms) and [o.updates for o in optimizers] == [1, 1]
 
 
 def test_float16_data_node_scales_its_loss_and_unscales_its_step() -> None:

@@ -175,7 +175,13 @@ class StageNode(Node):
             logger.warning("microbatch %s ran before the step of an older iteration", key)
         await self.tick(key.iteration)  # after the older step: an outer step it starts includes that step
         now = time.monotonic()
-        output = await self.compute.submit(Priority.FORWARD, lambda: self.worker.forward(key, hidden, now))
+        try:
+            output = await self.compute.submit(
+                Priority.FORWARD, lambda: self.worker.forward(key, hidden, now)
+            )
+        except Overflow as error:  # a float16 wire: the microbatch is lost, the peers downstream never see it
+            await self._abort_everywhere(message, key, str(error))
+            return
         self.tokens_processed += hidden.shape[0] * hidden.shape[1]
         tries = self.book.tries(key)
         if tries is None:  # aborted while it waited for the compute thread: hold nothing, send nothing
@@ -193,9 +199,17 @@ class StageNode(Node):
         stepped here, which another data node's work of the last tick may still hold up."""
         if not await self._after_older_steps(message.weights_of):
             logger.info("validation microbatch ran before this node stepped tick %d", message.weights_of - 1)
-        output = await self.compute.submit(
-            Priority.FORWARD, lambda: self.worker.evaluate(hidden), measured=False
-        )
+        try:
+            output = await self.compute.submit(
+                Priority.FORWARD, lambda: self.worker.evaluate(hidden), measured=False
+            )
+        except Overflow as error:  # the data node's evaluation goes on without this microbatch
+            logger.warning("validation microbatch not sent on: %s", error)
+            origin = message.path[0]  # only the data node waits for it: the stages hold nothing of it
+            await self.router.abort(
+                self.spec.run_id, origin, message.iteration, message.microbatch, (origin,), str(error)
+            )
+            return
         await self.router.forward(message, output)
 
     async def _on_backward(

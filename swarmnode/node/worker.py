@@ -53,6 +53,15 @@ def _to_wire(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.detach().to(device="cpu", dtype=dtype)
 
 
+def _activations_to_wire(outputs: Tensor, dtype: torch.dtype, what: object) -> Tensor:
+    """`outputs` as they travel; Overflow if they do not fit float16's range (a receiver rejects non-finite
+    values as hostile and bans their sender, so an honest overflow must stop here)."""
+    wired = _to_wire(outputs, dtype)
+    if dtype == torch.float16 and not bool(torch.isfinite(wired).all()):
+        raise Overflow(f"the activations of {what} exceed float16's range on the wire")
+    return wired
+
+
 def _unscaled_gradient(inputs: Tensor, scale: float, key: object) -> Tensor:
     """The gradient at a piece's inputs, divided by the loss scale; Overflow if it is not finite."""
     if inputs.grad is None:
@@ -175,17 +184,19 @@ class StageWorker:
         return len(self._grads)
 
     def forward(self, key: MicrobatchKey, hidden: Tensor, now: float) -> Tensor:
+        """The forward pass of a microbatch, held for its backward; its outputs as they travel. Raises
+        Overflow if they do not fit a float16 wire (the microbatch stays held until it is aborted)."""
         inputs = hidden.detach().to(self.precision.device, torch.float32).requires_grad_(True)
         with self.precision.autocast():
             outputs = self.module(inputs)
         self._held[key] = _Held(inputs, outputs, now)
-        return _to_wire(outputs, self.wire.activations)
+        return _activations_to_wire(outputs, self.wire.activations, f"microbatch {key}")
 
     def evaluate(self, hidden: Tensor) -> Tensor:
-        """A validation forward pass: nothing held, no gradient."""
+        """A validation forward pass: nothing held, no gradient. Raises Overflow as `forward` does."""
         with torch.no_grad(), self.precision.autocast():
             outputs = self.module(hidden.to(self.precision.device, torch.float32))
-        return _to_wire(outputs, self.wire.activations)
+        return _activations_to_wire(outputs, self.wire.activations, "a validation microbatch")
 
     def backward(self, key: MicrobatchKey, grad: Tensor) -> Tensor:
         """The backward pass of a held microbatch into its group's gradients; the gradient at its inputs.
