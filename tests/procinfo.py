@@ -1,13 +1,13 @@
 """What the kernel says about test processes: members of process groups and their CPU time
 (`swarmnode.procstat`), the unix sockets they hold open (/proc fd and /proc/net/unix), and their UDP sockets
-and TCP listeners (`ss`). Benchmarks import it too (benchmarks/daemon_footprint.py).
+and TCP listeners (/proc/net/udp and tcp, so no `ss` is needed). Benchmarks import it too
+(benchmarks/daemon_footprint.py).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
-import re
-import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -57,15 +57,36 @@ def unix_socket_paths(pids: Iterable[int]) -> set[str]:
     return paths
 
 
+def _address(hex_address: str) -> str:
+    """`ADDR:PORT` of a /proc/net/{tcp,udp}[6] column (the address in 32-bit words of host byte order)."""
+    host, port = hex_address.split(":")
+    words = bytes.fromhex(host)
+    raw = b"".join(words[i : i + 4][::-1] for i in range(0, len(words), 4))
+    return f"{ipaddress.ip_address(raw)}:{int(port, 16)}"
+
+
+def _inet_sockets(pids: Iterable[int], protocol: str, state: str | None) -> list[str]:
+    """`PROTOCOL ADDR:PORT pid=PID` of each socket of `protocol` (tcp or udp, IPv4 and IPv6) that one of the
+    given pids holds, in the given state (hex, as the kernel writes it; None: any)."""
+    owners = {inode: pid for pid in pids for inode in _socket_inodes(pid)}
+    found = []
+    for table in (f"/proc/net/{protocol}", f"/proc/net/{protocol}6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) >= 10 and parts[9] in owners and (state is None or parts[3] == state):
+                found.append(f"{protocol} {_address(parts[1])} pid={owners[parts[9]]}")
+    return found
+
+
 def udp_sockets_of(pids: Iterable[int]) -> list[str]:
-    """Lines of `ss -uanp` naming any of the given pids: UDP sockets they own."""
-    wanted = {str(pid) for pid in pids}
-    out = subprocess.run(["ss", "-uanp"], capture_output=True, text=True, timeout=10, check=True).stdout
-    return [line for line in out.splitlines() if set(re.findall(r"pid=(\d+)", line)) & wanted]
+    """The UDP sockets the given processes hold (/proc/net/udp and udp6), as `udp ADDR:PORT pid=PID`."""
+    return _inet_sockets(pids, "udp", None)
 
 
 def tcp_listeners_of(pids: Iterable[int]) -> list[str]:
-    """Lines of `ss -tlnp` naming any of the given pids: TCP sockets they listen on."""
-    wanted = {str(pid) for pid in pids}
-    out = subprocess.run(["ss", "-tlnp"], capture_output=True, text=True, timeout=10, check=True).stdout
-    return [line for line in out.splitlines() if set(re.findall(r"pid=(\d+)", line)) & wanted]
+    """The TCP sockets the given processes listen on (/proc/net/tcp and tcp6), as `tcp ADDR:PORT pid=PID`."""
+    return _inet_sockets(pids, "tcp", "0A")
