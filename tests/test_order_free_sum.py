@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from swarmnode.node.worker import OrderFreeSum, SpareSums
+from swarmnode.node.gradient_sums import OrderFreeSum, SpareSums
 
 
 def terms(count: int) -> list[torch.Tensor]:

@@ -11,8 +11,8 @@ Tensors arrive and leave on the CPU in the run's wire dtypes (`precision.wire_dt
 the node's device in its compute dtype (`precision.Precision`, float32 master weights). Under float16 each
 group's gradients are scaled by the loss scale of its first backward pass and unscaled at its update.
 
-Gradients are summed so that the order of the backward passes does not matter (`OrderFreeSum`): microbatches
-come and go in the order the network's timing gives.
+Gradients are summed so that the order of the backward passes does not matter (`node.gradient_sums`):
+microbatches come and go in the order the network's timing gives.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from protocols.stepbook import Group, MicrobatchKey
+from swarmnode.node.gradient_sums import IndexOrderedSum, OrderFreeSum
 from swarmnode.optim import StageOptimizer
 from swarmnode.pieces import DataPiece
 from swarmnode.precision import Overflow, Precision
@@ -72,87 +73,6 @@ def _unscaled_gradient(inputs: Tensor, scale: float, key: object) -> Tensor:
     return grad
 
 
-class SpareSums:
-    """Sum buffers that finished groups gave back, for the next groups to write into. A fresh float64 sum for
-    a llama-124m stage is 250 MB whose pages fault in on its first write: in a live swarm that took 22% of a
-    stage's compute thread (py-spy). Holds at most as many as were in use at once, and keeps them between
-    iterations (the memory a worker's groups in flight need, held instead of freed and faulted in again)."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
-
-    def take(self, like: Tensor, dtype: torch.dtype) -> Tensor | None:
-        """A spare buffer of `like`'s shape and device in `dtype` (its contents are stale), or None."""
-        free = self._free.get((tuple(like.shape), dtype, like.device))
-        return free.pop() if free else None
-
-    def give(self, buffer: Tensor) -> None:
-        self._free.setdefault((tuple(buffer.shape), buffer.dtype, buffer.device), []).append(buffer)
-
-    def __len__(self) -> int:
-        return sum(map(len, self._free.values()))
-
-
-class OrderFreeSum:
-    """The gradients of several backward passes, summed so that the order of the passes does not change the
-    result: each pass's gradients are computed alone and added into float64 sums, exact while the terms of a
-    sum lie within 2^29 of each other (a few float32 gradients of one parameter do), then rounded to float32
-    once. Summed in float32 in the order the microbatches came back, two runs of one seed parted in the last
-    bits within a few steps, and training grew that to 0.15 in a step's loss by step 40. On Apple's MPS,
-    which has no float64, the sums stay float32 (and the order shows again).
-
-    The first pass's gradients are widened into a buffer from `spare` (kept across loads and shared by the
-    sums of one worker), later ones added as they are: widening is exact, so neither changes a bit."""
-
-    def __init__(self, params: list[nn.Parameter], spare: SpareSums | None = None) -> None:
-        self._params = params
-        self._spare = spare if spare is not None else SpareSums()
-        self._sums: list[Tensor | None] = [None] * len(params)
-
-    def backward(self, outputs: Tensor, grad: Tensor | None = None) -> None:
-        """`outputs.backward(grad)`, its parameter gradients added to the sums (the inputs' `.grad`, if they
-        require one, is set as usual)."""
-        for param in self._params:
-            param.grad = None
-        try:
-            if grad is None:
-                outputs.backward()
-            else:  # the same pass: outputs' gradient is `grad` times one, exactly; a gradient passed to
-                # backward() imports sympy on its first use (0.5 s of a new node's first microbatch)
-                (outputs * grad).sum().backward()
-            for i, param in enumerate(self._params):
-                if param.grad is not None:
-                    total = self._sums[i]
-                    if total is None:
-                        dtype = _sum_dtype(param.grad.device)
-                        buffer = self._spare.take(param.grad, dtype)
-                        self._sums[i] = param.grad.to(dtype) if buffer is None else buffer.copy_(param.grad)
-                    else:
-                        total.add_(param.grad)
-        finally:
-            for param in self._params:
-                param.grad = None
-
-    def load(self) -> None:
-        """Point the parameters' `.grad` at the sums, rounded to their dtype, and start new sums."""
-        for i, (param, total) in enumerate(zip(self._params, self._sums, strict=True)):
-            param.grad = None if total is None else total.to(param.dtype)
-            if param.grad is total:  # the sum is the gradient now (MPS: both float32): not a spare
-                self._sums[i] = None
-        self.clear()
-
-    def clear(self) -> None:
-        """Drop the sums (their buffers go to the spares)."""
-        for total in self._sums:
-            if total is not None:
-                self._spare.give(total)
-        self._sums = [None] * len(self._params)
-
-
-def _sum_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
 class StageWorker:
     """Forward and backward passes of one transformer stage, with its optimizer."""
 
@@ -170,8 +90,7 @@ class StageWorker:
         self.scaler = self.precision.scaler()
         self._held: dict[MicrobatchKey, _Held] = {}
         self._params = list(module.parameters())
-        self._grads: dict[Group, OrderFreeSum] = {}  # each group's accumulated gradients
-        self._spare = SpareSums()  # their buffers, reused group after group
+        self._grads: dict[Group, IndexOrderedSum] = {}  # each group's accumulated gradients
         self._scales: dict[Group, float] = {}  # each group's loss scale (float16)
 
     @property
@@ -207,8 +126,9 @@ class StageWorker:
         scale = self._scales.setdefault(key.group, self.scaler.scale)
         gradients = self._grads.get(key.group)
         if gradients is None:
-            gradients = self._grads[key.group] = OrderFreeSum(self._params, self._spare)
-        gradients.backward(held.outputs, grad.to(self.precision.device, torch.float32) * scale)
+            gradients = self._grads[key.group] = IndexOrderedSum(self._params)
+        upstream = grad.to(self.precision.device, torch.float32) * scale
+        gradients.backward(key.microbatch, held.outputs, upstream)
         return _to_wire(_unscaled_gradient(held.inputs, scale, key), self.wire.gradients)
 
     def drop(self, key: MicrobatchKey) -> bool:
