@@ -127,8 +127,9 @@ def single_process(case: Case, microbatches: int, threads: int, corpus: Corpus) 
     return (last - 1) * tokens_per_step / (compute_at[last] - compute_at[1])
 
 
-def swarm_run(case: Case, microbatches: int, folder: Path) -> dict[str, Any]:
-    """Train the case on a loopback swarm; tokens/s, seconds per iteration and each node's busy seconds."""
+def swarm_run(case: Case, microbatches: int, folder: Path, node_threads: int = 1) -> dict[str, Any]:
+    """Train the case on a loopback swarm, each daemon with `node_threads` torch threads; tokens/s, seconds
+    per iteration and each node's busy seconds."""
     run = {
         "preset": case.preset,
         "stages": case.stages,
@@ -145,9 +146,9 @@ def swarm_run(case: Case, microbatches: int, folder: Path) -> dict[str, Any]:
     run_file.write_text(json.dumps(run))
     with LocalTestSwarm(folder, run_id=f"eff{uuid.uuid4().hex[:8]}") as swarm:
         swarm.bootstrap("--run", str(run_file), timeout=120)
-        stages = [swarm.join(k) for k in range(1, case.stages + 1)]
+        stages = [swarm.join(k, threads=node_threads) for k in range(1, case.stages + 1)]
         swarm.wait_online(*stages, timeout=180)
-        data = swarm.join(0)
+        data = swarm.join(0, threads=node_threads)
         watcher = swarm.watch_status()
         data.wait_event("online", 180)
         data.wait_event("step", 600, where=lambda e: e["step"] >= case.swarm_steps)
@@ -190,6 +191,11 @@ def main() -> None:
     parser.add_argument("--microbatches", default="1,4", help="values of M, comma separated")
     parser.add_argument("--baseline-threads", default="1", help="torch threads of the single-process runs")
     parser.add_argument(
+        "--node-threads",
+        default="1",
+        help="torch threads of each swarm daemon: a swarm per value, comma separated",
+    )
+    parser.add_argument(
         "--up-steps", type=int, default=0, help="also measure the default `swarmnode up` swarm over N steps"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -197,6 +203,7 @@ def main() -> None:
     cases = [CASES[name] for name in args.cases.split(",") if name != "none"]
     ms = [int(m) for m in args.microbatches.split(",")]
     threads = [int(t) for t in args.baseline_threads.split(",")]
+    node_threads = [int(t) for t in args.node_threads.split(",")]
     corpus = load_corpus(None, None, VOCAB)
 
     rows = []
@@ -204,13 +211,23 @@ def main() -> None:
         for m in ms:
             started = time.monotonic()
             single = {t: single_process(case, m, t, corpus) for t in threads}
-            with TemporaryDirectory(prefix="swarm-efficiency-") as tmp:
-                swarm = swarm_run(case, m, Path(tmp))
-            row = {"case": case.name, "batch": f"{case.batch_size}x{case.seq_len}", "M": m, "single": single}
-            row.update(swarm, tokens_per_iteration=m * case.batch_size * case.seq_len)
-            row["minutes"] = (time.monotonic() - started) / 60
-            rows.append(row)
-            print(f"# {case.name} M={m}: done in {row['minutes']:.1f} min", file=sys.stderr, flush=True)
+            for n in node_threads:
+                with TemporaryDirectory(prefix="swarm-efficiency-") as tmp:
+                    swarm = swarm_run(case, m, Path(tmp), n)
+                row = {
+                    "case": case.name,
+                    "batch": f"{case.batch_size}x{case.seq_len}",
+                    "M": m,
+                    "single": single,
+                }
+                row.update(swarm, tokens_per_iteration=m * case.batch_size * case.seq_len, node_threads=n)
+                row["minutes"] = (time.monotonic() - started) / 60
+                rows.append(row)
+                print(
+                    f"# {case.name} M={m} node threads {n}: {row['minutes']:.1f} min",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     up = up_row(args.up_steps, corpus) if args.up_steps > 0 else None
     if rows:
@@ -272,7 +289,7 @@ def up_table(r: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: throughput of both, their ratio, and where each swarm iteration's time goes."""
     head = (
-        "| case | batch | M | single tok/s | single s/step | swarm tok/s | efficiency "
+        "| case | batch | M | single tok/s | single s/step | node threads | swarm tok/s | efficiency "
         "| swarm s/iter (+ plan) | busy s/iter: stage 0, 1, ..., s | busiest node "
         "| sum busy / single s/step | lost | load |"
     )
@@ -286,7 +303,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         single_step = r["tokens_per_iteration"] / single
         singles = " / ".join(f"{tps:.0f} ({t} thr)" for t, tps in r["single"].items())
         lines.append(
-            f"| {r['case']} | {r['batch']} | {r['M']} | {singles} | {single_step:.2f} | {swarm:.0f} "
+            f"| {r['case']} | {r['batch']} | {r['M']} | {singles} | {single_step:.2f} | {r['node_threads']} "
+            f"| {swarm:.0f} "
             f"| {swarm / single:.2f} | {r['seconds_per_iteration']:.2f} (+{plan:.2f}) "
             f"| {', '.join(f'{b:.2f}' for b in busy)} | {max(busy) / r['wall_per_iteration']:.0%} busy "
             f"| {sum(busy) / single_step:.2f} | {r['lost']} | {r['load']:.1f} |"
