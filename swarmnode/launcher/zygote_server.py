@@ -10,7 +10,11 @@ PATH, "env": {...}, "cwd": PATH | null}`. Answers on stdout: `{"ready": PID}` on
 signal that ended it, as in `subprocess`). The zygote ends when its stdin closes (the launcher ended); its
 children live on in their own sessions, ended by the launcher as any other child.
 
-Stays single-threaded (nothing here starts a thread), so that a fork copies no lock held by another thread.
+Starts no thread of its own, so that a fork copies no lock that a thread of ours holds. The libraries it
+imports start native threads (one each on importing torch and hivemind, and pyarrow's jemalloc background
+thread), which the children do not inherit; Python 3.12 warns of that at each fork (a DeprecationWarning in
+each daemon's log). glibc's malloc, which torch allocates through, and jemalloc hold their locks across a fork
+(pthread_atfork), so a child's allocations do not wait on a lock one of those threads held.
 """
 
 from __future__ import annotations
