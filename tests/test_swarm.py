@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -152,32 +152,26 @@ def test_two_replicas_share_work_and_pair_with_noloco(swarm: LocalTestSwarm) -> 
     # The steps are read from the first snapshot that shows both stepping, the throughput from any: told at
     # step 12, it can first show near the run's end on a fast machine, when no step is left to advance past
     # it (a possible cause of this test's one failure on an H200 host, whose log was cut off).
-    def both_stepping() -> dict[str, Any] | None:
-        for snapshot in swarm.snapshots(watcher):
-            peers = stage2(snapshot)
-            if set(peers) == set(replicas) and all(p["step"] > 0 for p in peers.values()):
-                return snapshot
-        return None
+    def both_replicas(
+        condition: Callable[[str, dict[str, Any]], bool],
+    ) -> Callable[[], dict[str, Any] | None]:
+        """The first status snapshot in which both replicas are online and their records meet `condition`."""
 
-    first = poll(both_stepping, 90, "both stage-2 replicas to report steps")
+        def find() -> dict[str, Any] | None:
+            for snapshot in swarm.snapshots(watcher):
+                peers = stage2(snapshot)
+                if set(peers) == set(replicas) and all(condition(p, r) for p, r in peers.items()):
+                    return snapshot
+            return None
+
+        return find
+
+    first = poll(both_replicas(lambda _, r: r["step"] > 0), 90, "both stage-2 replicas to report steps")
     steps_before = {peer: record["step"] for peer, record in stage2(first).items()}
-
-    def both_advanced() -> dict[str, Any] | None:
-        for snapshot in swarm.snapshots(watcher):
-            peers = stage2(snapshot)
-            if set(peers) == set(replicas) and all(peers[p]["step"] > steps_before[p] for p in replicas):
-                return snapshot
-        return None
-
-    def both_measured() -> dict[str, Any] | None:
-        for snapshot in swarm.snapshots(watcher):
-            peers = stage2(snapshot)
-            if set(peers) == set(replicas) and all(p["tokens_per_second"] > 0 for p in peers.values()):
-                return snapshot
-        return None
-
-    poll(both_advanced, 90, "both replicas' step counts to advance")
-    poll(both_measured, 90, "both stage-2 replicas to report their throughput")
+    advanced = both_replicas(lambda p, r: r["step"] > steps_before[p])
+    poll(advanced, 90, "both replicas' step counts to advance")
+    measured = both_replicas(lambda _, r: r["tokens_per_second"] > 0)
+    poll(measured, 90, "both stage-2 replicas to report their throughput")
     swarm.stop(watcher)
 
     finished = data.wait_event("finished", 150)
