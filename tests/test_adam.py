@@ -16,11 +16,14 @@ def _model(seed: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_update_is_torchs_bit_for_bit(seed: int) -> None:
+@pytest.mark.parametrize(
+    ("fused", "torch_path"), [(None, {"fused": True}), (True, {"fused": True}), (False, {"foreach": False})]
+)
+def test_the_update_is_torchs_bit_for_bit(seed: int, fused: bool | None, torch_path: dict[str, bool]) -> None:
     ours_model = _model(seed)
     torch_model = copy.deepcopy(ours_model)
-    ours = Adam(ours_model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    theirs = torch.optim.Adam(torch_model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    ours = Adam(ours_model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    theirs = torch.optim.Adam(torch_model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, **torch_path)
     generator = torch.Generator().manual_seed(seed)
     for step in range(40):
         x = torch.randn(5, 12, generator=generator)
