@@ -51,6 +51,11 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
+from swarmnode.malloc_tuning import tune_malloc
+
+if __name__ == "__main__":  # before torch starts a thread: the single process allocates as `swarmnode train`
+    tune_malloc()
+
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]

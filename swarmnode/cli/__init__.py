@@ -11,6 +11,7 @@ from swarmnode.cli import schedule as schedule_module
 from swarmnode.cli import train as train_module
 from swarmnode.cli import up as up_module
 from swarmnode.hivemind_parts import register_package
+from swarmnode.malloc_tuning import tune_malloc
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,6 +19,7 @@ from swarmnode.hivemind_parts import register_package
 def main() -> None:
     """Train a language model on a swarm of unreliable machines: SkipPipe paths, NoLoCo averaging,
     CheckFree recovery, on a hivemind DHT."""
+    tune_malloc()  # before any thread starts: see its module
     register_package()  # before any command imports hivemind: its DHT and libp2p parts alone
 
 

@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from swarmnode.hivemind_parts import register_package
+from swarmnode.malloc_tuning import tune_malloc
 
 REAP_S = 0.05  # how often the zygote reaps its ended children while no request comes
 WARM_MODULES = (
@@ -43,8 +44,10 @@ WARM_MODULES = (
 
 
 def _warm() -> None:
-    """Import what every daemon imports."""
-    register_package()  # as the CLI does (`swarmnode.cli.main`): the children run it
+    """Import what every daemon imports, with malloc set as the CLI sets it (`swarmnode.cli.main`) before
+    the imports start threads: the children run the CLI, but their threads' arenas would be set by then."""
+    tune_malloc()
+    register_package()  # as the CLI does: the children run it
     for module in WARM_MODULES:
         importlib.import_module(module)
 
