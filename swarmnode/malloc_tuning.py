@@ -1,11 +1,11 @@
 """glibc's malloc, set at a swarmnode process's start so that freed tensor memory is reused, not faulted in.
 
 A stage's backward pass allocates a fresh gradient for every parameter (autograd's matmul outputs: 120 MB a
-pass for a stage of four llama-124m layers) and frees it once summed. glibc's malloc serves blocks that large
-with mmap and unmaps them on free; and a daemon computes in a thread of its own (`node.compute`), whose
-allocations come from an arena of their own, with heaps unmapped once empty. So every pass faulted its
-gradients' pages in again: 10,000-32,000 minor faults and 0.02-0.05 s of system time a pass, 1.2-1.4x the CPU
-time of a pass without them (a live llama-124m swarm, traced per compute job).
+pass for a stage of four llama-124m layers) and frees it once summed. glibc's malloc serves blocks that
+large with mmap at first, unmapping them on free; and a daemon computes in a thread of its own
+(`node.compute`), whose allocations come from an arena of their own, with heaps unmapped once empty. So
+every pass faulted its gradients' pages in again: 10,000-32,000 minor faults and 0.02-0.05 s of system
+time a pass, 1.2-1.4x the CPU time of a pass without them (a live llama-124m swarm, traced per compute job).
 
 `tune_malloc` has every thread allocate from the main arena (`M_ARENA_MAX` 1), serves blocks up to 32 MiB
 (glibc's most) from it (`M_MMAP_THRESHOLD`), and returns free memory at its top to the system only beyond

@@ -17,16 +17,17 @@ ROUNDS = 40
 ROUND_PAGES = 8 * (9 << 20) // 4096
 
 # In a fresh interpreter: maybe tune, then a thread allocates eight 9 MiB blocks (a stage's largest gradients)
-# 40 times over, each touched, the previous eight freed; print the thread's minor page faults.
+# `ROUNDS` times over, each touched, the previous eight freed; print the thread's minor page faults.
 PROBE = textwrap.dedent(
     """
     import resource, sys, threading
     from swarmnode.malloc_tuning import tune_malloc
     tuned = tune_malloc() if sys.argv[1] == "tune" else False
+    rounds = int(sys.argv[2])
     def work():
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         blocks = []
-        for _ in range(40):
+        for _ in range(rounds):
             blocks = [bytearray(9 << 20) for _ in range(8)]
         print(tuned, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
     thread = threading.Thread(target=work)
@@ -39,7 +40,12 @@ PROBE = textwrap.dedent(
 def _probe(mode: str) -> tuple[bool, int]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120, env=env, check=False
+        [sys.executable, "-c", PROBE, mode, str(ROUNDS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     tuned, faults = done.stdout.split()
