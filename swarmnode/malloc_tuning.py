@@ -1,6 +1,6 @@
 """glibc's malloc, set at a swarmnode process's start so that freed tensor memory is reused, not faulted in.
 
-A stage's backward pass allocates a fresh gradient for every parameter (autograd's matmul outputs: 120 MB a
+A stage's backward pass allocates a fresh gradient for every parameter (autograd's matmul outputs: 124 MB a
 pass for a stage of four llama-124m layers) and frees it once summed. glibc's malloc serves blocks that
 large with mmap at first, unmapping them on free; and a daemon computes in a thread of its own
 (`node.compute`), whose allocations come from an arena of their own, with heaps unmapped once empty. So
