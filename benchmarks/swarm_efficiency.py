@@ -9,7 +9,11 @@ For each case (a model and a microbatch size) and each number M of microbatches 
    node and one replica per transformer stage, each daemon with 1 torch thread (tests/swarm_harness.py).
 
 Swarm tokens/s is wall-clock: the tokens of the steady iterations (the first ones are skipped: warm-up)
-over the time between their step events. Efficiency = swarm tokens/s / single-process tokens/s (1 thread).
+over the time between their step events. Efficiency = swarm tokens/s / single-process tokens/s (the first
+of `--baseline-threads`). The machine is shared and its speed drifts by 10-20% within minutes, so the single
+process is measured before and after the swarm, and the ratio is against the mean of the two; `--rounds N`
+repeats single process and swarm N times in turn (N + 1 single-process runs, each swarm between two) and
+prints each round's row and the median efficiency.
 
 Where the time goes, from what the daemons expose: the data node's step events give seconds per iteration
 (`s/iter`; the time between step events also holds the planning of the next iteration, `plan`), and every
@@ -31,6 +35,7 @@ step over the report's median iteration seconds. The single process's figures ex
 
     python benchmarks/swarm_efficiency.py                  # tiny and llama-124m (narrowed), M = 1 and 4
     python benchmarks/swarm_efficiency.py --cases tiny --microbatches 1,2,4,8 --json out.json
+    python benchmarks/swarm_efficiency.py --cases llama-124m --microbatches 4 --baseline-threads 2 --rounds 3
     python benchmarks/swarm_efficiency.py --cases none --up-steps 100
 
 Takes three to six minutes on two cores with M = 1 and 4 (each swarm needs 20-40 s to start); M = 8 for
@@ -203,10 +208,15 @@ def main() -> None:
         help="torch threads of each swarm daemon: a swarm per value, comma separated",
     )
     parser.add_argument(
+        "--rounds", type=int, default=1, help="single process and swarm in turn, N times (a row per round)"
+    )
+    parser.add_argument(
         "--up-steps", type=int, default=0, help="also measure the default `swarmnode up` swarm over N steps"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     cases = [CASES[name] for name in args.cases.split(",") if name != "none"]
     ms = [int(m) for m in args.microbatches.split(",")]
     threads = [int(t) for t in args.baseline_threads.split(",")]
@@ -216,33 +226,71 @@ def main() -> None:
     rows = []
     for case in cases:
         for m in ms:
-            started = time.monotonic()
-            single = {t: single_process(case, m, t, corpus) for t in threads}
-            for n in node_threads:
-                with TemporaryDirectory(prefix="swarm-efficiency-") as tmp:
-                    swarm = swarm_run(case, m, Path(tmp), n)
-                row = {
-                    "case": case.name,
-                    "batch": f"{case.batch_size}x{case.seq_len}",
-                    "M": m,
-                    "single": single,
-                }
-                row.update(swarm, tokens_per_iteration=m * case.batch_size * case.seq_len, node_threads=n)
-                row["minutes"] = (time.monotonic() - started) / 60
-                rows.append(row)
-                print(
-                    f"# {case.name} M={m} node threads {n}: {row['minutes']:.1f} min",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            rows += rounds(case, m, threads, node_threads, args.rounds, corpus)
 
     up = up_row(args.up_steps, corpus) if args.up_steps > 0 else None
     if rows:
         print(table(rows))
+        if args.rounds > 1:
+            print(median_lines(rows))
     if up is not None:
         print(up_table(up))
     if args.json is not None:
         args.json.write_text(json.dumps({"cases": rows, "up": up}, indent=1, default=list))
+
+
+def rounds(
+    case: Case, m: int, threads: list[int], node_threads: list[int], count: int, corpus: Corpus
+) -> list[dict[str, Any]]:
+    """`count` rounds of the single process (every thread count) and a swarm per node-thread count, then the
+    single process once more; each swarm's row is measured against the mean of the runs before and after
+    it (`single`; both kept, `single_before` and `single_after`)."""
+    started = time.monotonic()
+    before = {t: single_process(case, m, t, corpus) for t in threads}
+    rows = []
+    for round_index in range(count):
+        swarms = {}
+        for n in node_threads:
+            with TemporaryDirectory(prefix="swarm-efficiency-") as tmp:
+                swarms[n] = swarm_run(case, m, Path(tmp), n)
+        after = {t: single_process(case, m, t, corpus) for t in threads}
+        for n, swarm in swarms.items():
+            row = {
+                "case": case.name,
+                "batch": f"{case.batch_size}x{case.seq_len}",
+                "M": m,
+                "round": round_index,
+                "single": {t: (before[t] + after[t]) / 2 for t in threads},
+                "single_before": before,
+                "single_after": after,
+            }
+            row.update(swarm, tokens_per_iteration=m * case.batch_size * case.seq_len, node_threads=n)
+            row["minutes"] = (time.monotonic() - started) / 60
+            rows.append(row)
+        print(
+            f"# {case.name} M={m} round {round_index + 1} of {count}: {rows[-1]['minutes']:.1f} min",
+            file=sys.stderr,
+            flush=True,
+        )
+        before = after
+    return rows
+
+
+def efficiency(row: dict[str, Any]) -> float:
+    """The swarm's tokens/s over the single process's (the first of `--baseline-threads`)."""
+    return row["tokens_per_second"] / next(iter(row["single"].values()))
+
+
+def median_lines(rows: list[dict[str, Any]]) -> str:
+    """One line per case, M and node threads: the median efficiency over the rounds, and its range."""
+    groups: dict[tuple[str, int, int], list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["case"], r["M"], r["node_threads"]), []).append(efficiency(r))
+    return "\n".join(
+        f"{name} M={m} node threads {n}: median efficiency {statistics.median(e):.2f} over {len(e)} rounds "
+        f"({min(e):.2f}-{max(e):.2f})"
+        for (name, m, n), e in groups.items()
+    )
 
 
 UP_CASE = Case("up", "tiny", 3, 4, 128, baseline_steps=12, swarm_steps=0)  # the tiny preset's own batch
@@ -296,7 +344,8 @@ def up_table(r: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: throughput of both, their ratio, and where each swarm iteration's time goes."""
     head = (
-        "| case | batch | M | single tok/s | single s/step | node threads | swarm tok/s | efficiency "
+        "| case | batch | M | round | single tok/s: mean (before, after) | single s/step | node threads "
+        "| swarm tok/s | efficiency "
         "| swarm s/iter (+ plan) | busy s/iter: stage 0, 1, ..., s | busiest node "
         "| sum busy / single s/step | lost | load |"
     )
@@ -305,14 +354,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         busy = r["busy"]
         plan = r["wall_per_iteration"] - r["seconds_per_iteration"]
         swarm = r["tokens_per_second"]
-        first = next(iter(r["single"]))
-        single = r["single"][first]
+        single = next(iter(r["single"].values()))
         single_step = r["tokens_per_iteration"] / single
-        singles = " / ".join(f"{tps:.0f} ({t} thr)" for t, tps in r["single"].items())
+        singles = " / ".join(
+            f"{tps:.0f} ({r['single_before'][t]:.0f}, {r['single_after'][t]:.0f}; {t} thr)"
+            for t, tps in r["single"].items()
+        )
         lines.append(
-            f"| {r['case']} | {r['batch']} | {r['M']} | {singles} | {single_step:.2f} | {r['node_threads']} "
-            f"| {swarm:.0f} "
-            f"| {swarm / single:.2f} | {r['seconds_per_iteration']:.2f} (+{plan:.2f}) "
+            f"| {r['case']} | {r['batch']} | {r['M']} | {r['round'] + 1} | {singles} | {single_step:.2f} "
+            f"| {r['node_threads']} | {swarm:.0f} "
+            f"| {efficiency(r):.2f} | {r['seconds_per_iteration']:.2f} (+{plan:.2f}) "
             f"| {', '.join(f'{b:.2f}' for b in busy)} | {max(busy) / r['wall_per_iteration']:.0%} busy "
             f"| {sum(busy) / single_step:.2f} | {r['lost']} | {r['load']:.1f} |"
         )
