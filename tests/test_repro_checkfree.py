@@ -139,6 +139,16 @@ def test_staged_model_forks_swaps_and_rebuilds() -> None:
         torch.testing.assert_close(value, before[name])
 
 
+def test_staged_setup_keeps_the_paper_constant_rate_or_decays_as_the_daemons_do() -> None:
+    _, Setup, _ = staged()
+    constant = Setup(lr=1e-3, warmup=10).schedule()
+    assert [constant.lr_at(step) for step in (9, 10, 150, 10**6)] == pytest.approx([1e-3] * 4)
+    cosine = Setup(lr=1e-3, warmup=10, decay_steps=150).schedule()
+    assert cosine.lr_at(9) == pytest.approx(1e-3)
+    assert 1e-4 < cosine.lr_at(80) < 1e-3
+    assert [cosine.lr_at(step) for step in (150, 175)] == pytest.approx([1e-4, 1e-4])
+
+
 def test_staged_model_plans_a_partner_copy_only_after_its_stand_ins() -> None:
     Data, Setup, StagedModel = staged()
     from protocols.checkfree import Method

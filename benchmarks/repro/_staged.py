@@ -47,8 +47,9 @@ EMBEDDING_PREFIX, HEAD_PREFIX = "embedding.", "head."
 class Setup:
     """The model and training settings of a study: the tiny preset's dimensions, `n_stages` stages of
     `n_layers / n_stages` layers, `microbatches` x `batch_size` sequences of `seq_len` per step, Adam at a
-    constant `lr` after `warmup` steps (as the CheckFree paper trains), `val_batches` fixed validation
-    batches of `batch_size`."""
+    constant `lr` after `warmup` steps (as the CheckFree paper trains; with `decay_steps` > 0, decayed
+    along a cosine to a tenth of `lr` at that step, as the daemons and the trainer do), `val_batches` fixed
+    validation batches of `batch_size`."""
 
     n_stages: int = 6
     n_layers: int = 6
@@ -59,12 +60,15 @@ class Setup:
     warmup: int = 10
     val_batches: int = 4
     swap_every: int = 2  # CheckFree+ swaps one microbatch in this many (`swaps_edge_pairs`)
+    decay_steps: int = 0  # 0: constant lr after the warm-up; else cosine to 0.1 lr at this step
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         tiny = get_preset("tiny").model
         return replace(tiny, vocab_size=vocab_size, n_layers=self.n_layers, max_seq_len=self.seq_len)
 
     def schedule(self) -> Schedule:
+        if self.decay_steps > 0:
+            return Schedule(self.lr, self.warmup, total_steps=self.decay_steps)
         return Schedule(self.lr, self.warmup, total_steps=max(1, self.warmup), min_ratio=1.0)
 
 

@@ -11,11 +11,14 @@ on `--window` steps, beside a control that lost nothing. Printed per seed and as
 later (over the control). With `--eval-every K`, also the cost along the way: every regime's validation loss
 every K steps over no swaps' at the same step (does the cost shrink as the stages learn both orders?).
 `--stages` and `--layers` cut a deeper or finer model (the tiny preset's width, `--layers` layers in
-`--stages` stages): does the cost depend on how much of the network a swap permutes?
+`--stages` stages): does the cost depend on how much of the network a swap permutes? `--schedule cosine`
+trains with the daemons' learning-rate schedule (a cosine to a tenth of the peak at `--steps`) instead of
+the paper's constant rate.
 
     python benchmarks/repro/swap_share.py --json out.json
     python benchmarks/repro/swap_share.py --steps 400 --shares 0,2 --eval-every 50 --json longer.json
     python benchmarks/repro/swap_share.py --stages 12 --layers 12 --steps 150 --shares 0,2 --eval-every 25
+    python benchmarks/repro/swap_share.py --stages 12 --layers 12 --steps 150 --shares 0,2 --schedule cosine
 """
 
 from __future__ import annotations
@@ -81,6 +84,12 @@ def main() -> None:
     )
     parser.add_argument("--stages", type=int, default=Setup.n_stages, help="transformer stages")
     parser.add_argument("--layers", type=int, default=Setup.n_layers, help="layers, split evenly over them")
+    parser.add_argument(
+        "--schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="the learning rate after the warm-up: constant (the paper's) or the daemons' cosine decay",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     try:
@@ -94,7 +103,10 @@ def main() -> None:
     if args.stages < 4 or args.layers % args.stages:
         parser.error("--stages must be 4 or more (fewer never swap both pairs) and divide --layers")
     torch.set_num_threads(1)
-    setup = Setup(n_stages=args.stages, n_layers=args.layers, microbatches=2, val_batches=16)
+    decay_steps = args.steps if args.schedule == "cosine" else 0
+    setup = Setup(
+        n_stages=args.stages, n_layers=args.layers, microbatches=2, val_batches=16, decay_steps=decay_steps
+    )
     data = Data(setup)
     started = time.perf_counter()
     runs = [
