@@ -24,6 +24,11 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from swarmnode.malloc_tuning import tune_malloc
+
+if __name__ == "__main__":  # before torch starts a thread: the stage allocates as a daemon's does
+    tune_malloc()
+
 import torch
 
 from swarmnode.model import build_stage

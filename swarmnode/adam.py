@@ -6,8 +6,9 @@ its first step. This is the same update (without weight decay, amsgrad or maximi
 `step`, `exp_avg` and `exp_avg_sq` torch keeps):
 
 - on a CPU, torch's fused kernel (`torch.optim.Adam(fused=True)`), one pass over each parameter and its
-  moments: on a stage of four llama-124m layers (31M parameters), one thread, 0.036 s a step against 0.150 s
-  for the `_foreach` kernels, which pass over the memory about seven times (`benchmarks/adam_step.py`).
+  moments: on a stage of four llama-124m layers (31M parameters), one thread, 0.036 s a step against 0.118 s
+  for the `_foreach` kernels, which pass over the memory about seven times (`benchmarks/adam_step.py`, with
+  the daemons' malloc settings; 0.150 s without them, in session 25).
   Within a few units in the last place of the single-tensor path (the arithmetic is ordered differently);
 - elsewhere (a GPU), or with `fused=False`, torch's `_foreach` kernels computing the single-tensor update.
 

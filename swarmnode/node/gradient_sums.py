@@ -105,8 +105,8 @@ class IndexOrderedSum:
     folded); otherwise its gradients are held until then, or until `load`, which folds what is held in index
     order. Indices a node never sees (another replica's, a lost microbatch's) are simply absent. In order,
     a pass costs one float32 add per parameter (the first none): a stage of llama-124m's layers on one CPU
-    thread took 1.09x a bare forward and backward pass, against 1.28x with `OrderFreeSum`'s float64 sums
-    (`benchmarks/gradient_sums.py`)."""
+    thread took 1.07-1.08x a bare forward and backward pass, against 1.29-1.30x with `OrderFreeSum`'s float64
+    sums (`benchmarks/gradient_sums.py`, with the daemons' malloc settings)."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self._params = params
