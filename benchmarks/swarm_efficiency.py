@@ -297,9 +297,11 @@ UP_CASE = Case("up", "tiny", 3, 4, 128, baseline_steps=12, swarm_steps=0)  # the
 
 
 def up_row(steps: int, corpus: Corpus) -> dict[str, Any]:
-    """The default `swarmnode up` swarm, calm, over `steps` steps, and the single process on its batch."""
+    """The default `swarmnode up` swarm, calm, over `steps` steps, and the single process on its batch,
+    measured before and after the swarm (`single`: the mean of the two)."""
     preset = get_preset("tiny")
-    single = {t: single_process(UP_CASE, preset.microbatches, t, corpus) for t in sorted({1, usable_cpus()})}
+    threads = sorted({1, usable_cpus()})
+    before = {t: single_process(UP_CASE, preset.microbatches, t, corpus) for t in threads}
     with TemporaryDirectory(prefix="swarm-efficiency-up-") as tmp:
         out = Path(tmp) / "up"
         up = ["up", "--calm", "--steps", str(steps), "--out", str(out)]
@@ -308,6 +310,7 @@ def up_row(steps: int, corpus: Corpus) -> dict[str, Any]:
         report = read_report(out / "report.json") or {}
     if code != 0 or not report.get("tokens_per_second"):
         raise SystemExit(f"swarmnode up failed (exit {code}): {report.get('message', 'no report')}")
+    after = {t: single_process(UP_CASE, preset.microbatches, t, corpus) for t in threads}
     settings = report["settings"]
     pipelines_per_step = settings["data_nodes"] * settings["replicas"]
     tokens_per_step = pipelines_per_step * preset.microbatches * preset.batch_size * preset.seq_len
@@ -319,7 +322,9 @@ def up_row(steps: int, corpus: Corpus) -> dict[str, Any]:
         "steady": tokens_per_step / report["iteration_seconds"]["median"],
         "iteration_median_s": report["iteration_seconds"]["median"],
         "wall_seconds": report["wall_seconds"],
-        "single": single,
+        "single": {t: (before[t] + after[t]) / 2 for t in threads},
+        "single_before": before,
+        "single_after": after,
         "load": os.getloadavg()[0],
     }
 
@@ -328,14 +333,16 @@ def up_table(r: dict[str, Any]) -> str:
     """Markdown: the default swarm's tokens/s over the single process's, with 1 thread and every core."""
     head = (
         "| swarm | steps | tokens/step | s/step (median) | swarm tok/s: whole run / steady "
-        "| single tok/s | whole run / single | steady / single | load |"
+        "| single tok/s: mean (before, after) | whole run / single | steady / single | load |"
     )
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for threads, single in r["single"].items():
+        before, after = r["single_before"][threads], r["single_after"][threads]
         lines.append(
             f"| `up` default, {r['daemons']} daemons | {r['steps']} | {r['tokens_per_step']} "
             f"| {r['iteration_median_s']:.3f} | {r['whole_run']:.0f} / {r['steady']:.0f} "
-            f"| {single:.0f} ({threads} thr) | {r['whole_run'] / single:.2f} | {r['steady'] / single:.2f} "
+            f"| {single:.0f} ({before:.0f}, {after:.0f}; {threads} thr) "
+            f"| {r['whole_run'] / single:.2f} | {r['steady'] / single:.2f} "
             f"| {r['load']:.1f} |"
         )
     return "\n".join(lines)
