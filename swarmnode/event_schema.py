@@ -65,7 +65,7 @@ class Joining(EventRecord):
 
 @dataclass(frozen=True)
 class Online(EventRecord):
-    """A daemon serves `stage` under `peer_id`, computing on `device` in `dtype`."""
+    """A daemon serves `stage` under `peer_id`, computing on `device` in `dtype`; peers dial `maddrs`."""
 
     KIND: ClassVar[str] = "online"
     stage: int
@@ -73,6 +73,7 @@ class Online(EventRecord):
     time: float
     device: str | None = None
     dtype: str | None = None
+    maddrs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ def test_readers_get_typed_records() -> None:
     assert parse_line(line("joining", 1, phase="dht", seconds=1.0), 0) == Joining("dht", 1.0, START + 1)
     online = Online(2, "12D3KooWx", START + 1)
     assert parse_line(line("online", 1, stage=2, peer_id="12D3KooWx"), 0) == online
+    dialed = line("online", 1, stage=2, peer_id="12D3KooWx", maddrs=["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWx"])
+    assert parse_line(dialed, 0).maddrs == ("/ip4/127.0.0.1/tcp/1/p2p/12D3KooWx",)
     step = line("step", 2, step=3, loss=5.0, tokens=8, lost=1, seconds=1.25, grad_norm=0.5, paths=[[0, 1, 0]])
     assert parse_line(step, 0) == Step(3, 5.0, 8, START + 2, 1, 1.25, 0.5, ((0, 1, 0),))
     assert parse_line(line("step", 2, step=12, loss=None, tokens=0), 0) == Step(12, None, 0, START + 2)

@@ -174,7 +174,8 @@ class Node(ABC):
             asyncio.create_task(self._every(LINK_PROBE_S, self.probe_links), name="links"),
         ]
         device, dtype = str(self.precision.device), str(self.precision.dtype).removeprefix("torch.")
-        emit("online", stage=self.stage, peer_id=self.me, device=device, dtype=dtype)
+        maddrs = self.dht.visible_maddrs()  # where peers dial it: for `--initial-peers`
+        emit("online", stage=self.stage, peer_id=self.me, device=device, dtype=dtype, maddrs=maddrs)
 
     async def wait(self) -> None:
         await self._stopping.wait()
