@@ -2,15 +2,16 @@
 
 Stages are numbered 0..s: stage 0 is the data stage holding the embedding E and the head E' (final norm,
 output projection, loss); stages 1..s hold transformer layers. A stage is *alive* when at least one online
-node serves it with trained weights (a node that is itself being rebuilt does not count). Nodes of stage 1
-may hold a copy of E and nodes of stage s a copy of E' (CheckFree+).
+node serves it with trained weights (a node that is itself being rebuilt does not count). With CheckFree+,
+nodes of stage 1 may hold a copy of E, nodes of stage s a copy of E', and (edge copies) nodes of stage 2 a
+copy of stage 1's weights and nodes of stage s-1 one of stage s's (`copy_places`, `copies_kept`).
 
-`plan_recovery` / `plan_recoveries` decide how each stage is (re)built, an edge stage from what its swap
-partner's nodes report they served in its place (`protocols.standins`); `average_neighbours`,
-`copy_partner` and `restore_embeddings` compute the new weights, and `reinit_seed` seeds a re-initialised
-stage's fresh ones. State dicts must be keyed by names relative to the stage (the k-th layer of every stage
-under the same names), so that neighbours match key by key; stages with different layouts cannot be
-averaged or copied and raise LocalProtocolError.
+`plan_recovery` / `plan_recoveries` decide how each stage is (re)built, an edge stage from the copy its
+partner's nodes keep or else from what they report they served in its place (`protocols.standins`);
+`average_neighbours`, `copy_partner` and `restore_embeddings` compute the new weights, and `reinit_seed`
+seeds a re-initialised stage's fresh ones. State dicts must be keyed by names relative to the stage (the
+k-th layer of every stage under the same names), so that neighbours match key by key; stages with
+different layouts cannot be averaged or copied and raise LocalProtocolError.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from protocols._arraymap import ArrayMap, check_same_layout, first_non_finite, weighted_sum
 from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.standins import MIN_STAND_INS, STAND_IN_WINDOW_STEPS
+from protocols.transfers import StatePart
 
 DEFAULT_LR_FACTOR = 1.1
 SWAP_MIN_STAGES = 4  # CheckFree+ swaps need the first pair (S1, S2) and the last (S(s-1), Ss) to be apart
@@ -68,6 +70,49 @@ def swap_edge_pairs(stages: tuple[int, ...], num_stages: int) -> tuple[int, ...]
     return tuple(order)
 
 
+def copy_places(part: StatePart, num_stages: int) -> tuple[int, int] | None:
+    """(the stage a CheckFree+ copy is taken from, the stage whose nodes keep it): E from stage 0 to stage
+    1, E' from stage 0 to stage s, stage 1's weights to stage 2 and stage s's to stage s-1. None for a part
+    that is no copy, and for the edge copies of a model of one transformer stage (no neighbour)."""
+    s = num_stages
+    places = {
+        StatePart.EMBEDDING_COPY: (0, 1),
+        StatePart.HEAD_COPY: (0, s),
+        StatePart.FIRST_STAGE_COPY: (1, 2),
+        StatePart.LAST_STAGE_COPY: (s, s - 1),
+    }.get(part)
+    if places is None or (part in (StatePart.FIRST_STAGE_COPY, StatePart.LAST_STAGE_COPY) and s < 2):
+        return None
+    return places
+
+
+def copy_source(part: StatePart, num_stages: int) -> int:
+    """The stage a CheckFree+ copy is taken from (`copy_places`); LocalProtocolError for no copy."""
+    places = copy_places(part, num_stages)
+    if places is None:
+        raise LocalProtocolError(f"{part} is no copy a model of {num_stages} transformer stages keeps")
+    return places[0]
+
+
+def copies_kept(stage: int, num_stages: int, edge_copies: bool) -> tuple[StatePart, ...]:
+    """The CheckFree+ copies a node of `stage` keeps: E at stage 1, E' at stage s, and with `edge_copies`
+    stage 1's weights at stage 2 and stage s's at stage s-1 (so stage 2 keeps both in a 3-stage model)."""
+    parts = [StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY]
+    if edge_copies:
+        parts += [StatePart.FIRST_STAGE_COPY, StatePart.LAST_STAGE_COPY]
+    return tuple(
+        p for p in parts if (places := copy_places(p, num_stages)) is not None and places[1] == stage
+    )
+
+
+def edge_copy_part(stage: int, num_stages: int) -> StatePart | None:
+    """The copy that rebuilds edge stage `stage` (`FIRST_STAGE_COPY` for stage 1, `LAST_STAGE_COPY` for
+    stage s), kept by its swap partner's nodes; None for other stages and a model of one transformer stage."""
+    if num_stages < 2:
+        return None
+    return {1: StatePart.FIRST_STAGE_COPY, num_stages: StatePart.LAST_STAGE_COPY}.get(stage)
+
+
 class Method(StrEnum):
     """How a stage's weights are obtained."""
 
@@ -76,6 +121,7 @@ class Method(StrEnum):
     # not serve in its place recently: the same average over its one transformer neighbour, a copy of it
     CHECKFREE = "checkfree"
     CHECKFREE_PLUS_COPY = "checkfree_plus_copy"  # stage 1 / stage s: copy of a partner that stood in for it
+    EDGE_COPY = "edge_copy"  # stage 1 / stage s: its own weights, from the copy its swap partner's nodes keep
     EMBEDDING_COPY = "embedding_copy"  # stage 0: E from stage 1's copy, E' from stage s's copy
     REINIT = "reinit"  # nothing to rebuild from: fresh random weights
 
@@ -85,9 +131,10 @@ class Recovery:
     """The plan for one stage, as data for the daemon to act on.
 
     `sources`: the stages to fetch from, in the order the method uses them (checkfree: (i-1, i+1);
-    checkfree_plus_copy: (partner,); embedding_copy: (holder of E, holder of E'); replica: (stage,);
-    reinit: ()). `reset_optimizer`: start Adam from zero moments and step 0. `lr_factor`: multiply the
-    learning rate by it after the rebuild. `reason`: one plain sentence for logs and `swarmnode status`.
+    checkfree_plus_copy and edge_copy: (partner,); embedding_copy: (holder of E, holder of E'); replica:
+    (stage,); reinit: ()). `reset_optimizer`: start Adam from zero moments and step 0. `lr_factor`:
+    multiply the learning rate by it after the rebuild. `reason`: one plain sentence for logs and
+    `swarmnode status`.
     """
 
     stage: int
@@ -109,6 +156,7 @@ def plan_recovery(
     head_copy_held: bool,
     lr_factor: float = DEFAULT_LR_FACTOR,
     edge_swaps: bool = True,
+    edge_copies_held: Collection[int] = (),
 ) -> Recovery:
     """How `stage` gets its weights, given which stages are alive.
 
@@ -116,11 +164,15 @@ def plan_recovery(
     iterations of the last `STAND_IN_WINDOW_STEPS` steps in which one live, trained node of its swap partner
     (`swap_partner`) reports it served microbatches in e's place (`NodeRecord.stood_in`; missing: 0).
     `embedding_copy_held` / `head_copy_held`: a live node of stage 1 holds a copy of E / of stage s holds a
-    copy of E' (only counted while that stage is alive). Rebuilt transformer stages reset the optimizer and
-    scale the learning rate by `lr_factor`; restored embeddings are exact copies, so they reset the
-    optimizer (copies carry none) at lr factor 1; reinitialised stages reset it at lr factor 1.
+    copy of E' (only counted while that stage is alive); `edge_copies_held`: the edge stages (1, s) whose
+    copy (`edge_copy_part`) a live node of their swap partner keeps. Rebuilt transformer stages reset the
+    optimizer and scale the learning rate by `lr_factor`; restored embeddings and edge stages are exact
+    copies, so they reset the optimizer (copies carry none) at lr factor 1; reinitialised stages reset it
+    at lr factor 1.
 
-    A lost edge stage is a copy of its swap partner (`checkfree_plus_copy`) only with CheckFree+ on and a
+    A lost edge stage whose copy a live partner node keeps is that copy (`edge_copy`): its own weights, a
+    few steps old, which rebuild it better than any swap (docs/design.md). Otherwise it is a copy of its
+    swap partner (`checkfree_plus_copy`) only with CheckFree+ on and a
     partner node that served in its place in at least `MIN_STAND_INS` iterations of that window (by swaps,
     unless the run turned them off (`edge_swaps`), or by paths that skipped the edge stage). Otherwise it
     is CheckFree's average over its one transformer neighbour, which is a copy of that neighbour, and the
@@ -131,6 +183,7 @@ def plan_recovery(
     s, live = num_stages, set(alive)
     _check_plan_args(num_stages, (stage, *live), lr_factor)
     _check_stood_in(num_stages, checkfree_plus, stood_in)
+    _check_edge_copies_held(num_stages, edge_copies_held)
     if not isinstance(edge_swaps, bool):
         raise LocalProtocolError(f"edge_swaps must be a bool, got {edge_swaps!r}")
 
@@ -168,6 +221,12 @@ def plan_recovery(
             return reinit(
                 f"its only transformer neighbour, stage {partner}, is lost too (two adjacent stages lost)"
             )
+        if checkfree_plus and stage in edge_copies_held:
+            return plan(
+                Method.EDGE_COPY,
+                (partner,),
+                f"stage {stage} restored from the copy of its weights kept by stage {partner}",
+            )
         served = stood_in.get(stage, 0)
         if checkfree_plus and served >= MIN_STAND_INS:
             return plan(
@@ -199,14 +258,15 @@ def plan_recovery(
 def _no_stand_in(
     stage: int, partner: int, num_stages: int, checkfree_plus: bool, edge_swaps: bool, served: int
 ) -> str:
-    """Why a lost edge stage is no copy of its swap partner, in words."""
+    """Why a lost edge stage is no copy of itself or of its swap partner, in words."""
     if not checkfree_plus:
         return "CheckFree+ is off"
+    why = f"no live node of stage {partner} keeps a copy of it; "
     if served == 0:
-        why = f"no live node of stage {partner} served a microbatch in stage {stage}'s place"
+        why += f"no live node of stage {partner} served a microbatch in stage {stage}'s place"
         why += f" in the last {STAND_IN_WINDOW_STEPS} steps"
     else:
-        why = f"live nodes of stage {partner} served microbatches in stage {stage}'s place in at most"
+        why += f"live nodes of stage {partner} served microbatches in stage {stage}'s place in at most"
         why += f" {served} of the last {STAND_IN_WINDOW_STEPS} steps, fewer than {MIN_STAND_INS}"
     if num_stages < SWAP_MIN_STAGES:
         why += f"; a model of {num_stages} transformer stages never swaps"
@@ -226,6 +286,7 @@ def plan_recoveries(
     head_copy_held: bool,
     lr_factor: float = DEFAULT_LR_FACTOR,
     edge_swaps: bool = True,
+    edge_copies_held: Collection[int] = (),
 ) -> dict[int, Recovery]:
     """The plan for every lost stage (stages 0..s not in `alive`), keyed by stage, in stage order."""
     live = set(alive)
@@ -243,6 +304,7 @@ def plan_recoveries(
                 head_copy_held=head_copy_held,
                 lr_factor=lr_factor,
                 edge_swaps=edge_swaps,
+                edge_copies_held=edge_copies_held,
             )
     return plans
 
@@ -337,6 +399,12 @@ def _check_stood_in(num_stages: int, checkfree_plus: bool, stood_in: Mapping[int
             raise LocalProtocolError(
                 f"stood_in {edge!r}: {served!r} is no count for an edge stage of {num_stages} stages"
             )
+
+
+def _check_edge_copies_held(num_stages: int, held: Collection[int]) -> None:
+    for edge in held:
+        if isinstance(edge, bool) or not isinstance(edge, int) or edge_copy_part(edge, num_stages) is None:
+            raise LocalProtocolError(f"edge_copies_held: {edge!r} is no edge stage of {num_stages} stages")
 
 
 def _check_finite(*labelled: tuple[str, ArrayMap]) -> None:

@@ -40,11 +40,12 @@ from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.hops import Abort, Backward, Forward, Route
 from protocols.links import MAX_LINK_COSTS, MAX_SITE_CHARS, LinkCost
 from protocols.manifest import MAX_NAME, MAX_TENSORS, TensorSpec, manifest_field, same_layout
-from protocols.transfers import StatePart, StateRequest, TokenizerRequest
+from protocols.transfers import COPIES, StatePart, StateRequest, TokenizerRequest
 
-PROTOCOL_VERSION = 4  # 2: a data node sends a batch per pipeline (`planning.pipeline_width`); 3: a forward
+PROTOCOL_VERSION = 5  # 2: a data node sends a batch per pipeline (`planning.pipeline_width`); 3: a forward
 # names the data nodes whose work the plan sends through each hop (`hops._Hop.senders`); 4: a validation
-# pass names the tick whose weights it measures (`hops.Forward.weights_of`)
+# pass names the tick whose weights it measures (`hops.Forward.weights_of`); 5: copies of the edge stages
+# (`transfers.StatePart.FIRST_STAGE_COPY`, `LAST_STAGE_COPY`)
 MAX_MESSAGE_BYTES = 1 << 20  # control metadata only; tensors travel beside it
 MAX_RECORD_BYTES = 8192  # DHT records: hivemind's DHT failed with values near 60 KB
 MAX_ADDRS = 16
@@ -78,7 +79,7 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"  # this node failed; the sender did nothing wrong
 
 
-_COPIES = items(choice(StatePart, frozenset({StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY})), 2, unique=True)
+_COPIES = items(choice(StatePart, COPIES), len(COPIES), unique=True)
 
 
 @dataclass(frozen=True)

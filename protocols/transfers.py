@@ -23,6 +23,14 @@ class StatePart(StrEnum):
     OPTIMIZER = "optimizer"
     EMBEDDING_COPY = "embedding_copy"  # stage 1's copy of E
     HEAD_COPY = "head_copy"  # stage s's copy of E'
+    FIRST_STAGE_COPY = "first_stage_copy"  # stage 2's copy of stage 1's weights
+    LAST_STAGE_COPY = "last_stage_copy"  # stage s-1's copy of stage s's weights
+
+
+COPIES = frozenset(
+    {StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY, StatePart.FIRST_STAGE_COPY, StatePart.LAST_STAGE_COPY}
+)
+EDGE_COPIES = frozenset({StatePart.FIRST_STAGE_COPY, StatePart.LAST_STAGE_COPY})
 
 
 _PARTS = items(choice(StatePart), len(StatePart), 1, unique=True)

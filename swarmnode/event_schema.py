@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 logger = logging.getLogger(__name__)
 
-RECOVERY_METHODS = ("replica", "checkfree", "checkfree_plus_copy", "embedding_copy", "reinit")
+RECOVERY_METHODS = ("replica", "checkfree", "checkfree_plus_copy", "edge_copy", "embedding_copy", "reinit")
 
 
 class EventSchemaError(ValueError):

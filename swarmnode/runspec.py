@@ -120,9 +120,12 @@ class RunSpec(Schema):
     min_replicas: int = field(default=1, metadata=POSITIVE)
     node_memory: int = field(default=4, metadata=POSITIVE)
     checkfree_plus: bool = field(default=True, metadata=checked(flag))
-    # CheckFree+'s edge-stage swaps (`protocols.checkfree.swaps_edge_pairs`); off, CheckFree+ keeps only the
-    # copies of the embeddings (the swaps cost 3-10% of validation loss when no edge stage is lost)
-    edge_swaps: bool = field(default=True, metadata=checked(flag))
+    # CheckFree+'s copies of the edge stages (stage 1's weights kept by stage 2, stage s's by stage s-1),
+    # which rebuild a lost edge stage from its own weights (`protocols.checkfree.Method.EDGE_COPY`)
+    edge_copies: bool = field(default=True, metadata=checked(flag))
+    # the paper's CheckFree+ edge-stage swaps (`protocols.checkfree.swaps_edge_pairs`): off by default, as
+    # they cost 2-10% of validation loss when no edge stage is lost and the edge copies rebuild better
+    edge_swaps: bool = field(default=False, metadata=checked(flag))
     noloco_inner_steps: int = field(default=50, metadata=POSITIVE)
     noloco_alpha: float = field(default=0.5, metadata=checked(number()))
     noloco_beta: float = field(default=0.7, metadata=checked(number()))

@@ -39,6 +39,7 @@ def swarm_summary(
                     "tokens_per_second": record.throughput,
                     "queue_depth": record.queue_depth,
                     "microbatches_lost": record.microbatches_lost,
+                    "copies": [str(part) for part in record.copies],
                     "recovery": (
                         {"method": record.recovery, "seconds": record.recovery_seconds}
                         if record.recovery

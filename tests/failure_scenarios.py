@@ -8,6 +8,7 @@ import json
 import math
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from statistics import mean
@@ -32,11 +33,16 @@ WINDOW = 5  # steps per loss window
 
 
 def start_swarm(
-    swarm: LocalTestSwarm, stages: list[int], *options: str, **bootstrap: Any
+    swarm: LocalTestSwarm,
+    stages: list[int],
+    *options: str,
+    run: dict[str, Any] | None = None,
+    **bootstrap: Any,
 ) -> tuple[NodeProcess, list[NodeProcess]]:
-    """Bootstrap, the stage nodes (waited online; `options` go to their `join`), then the data node."""
+    """Bootstrap (`RUN`, updated by `run`), the stage nodes (waited online; `options` go to their `join`),
+    then the data node."""
     run_file = swarm.folder / "run.json"
-    run_file.write_text(json.dumps(RUN))
+    run_file.write_text(json.dumps({**RUN, **(run or {})}))
     swarm.bootstrap("--run", str(run_file), **{"steps": STEPS, **bootstrap})
     nodes = [swarm.join(k, *options) for k in stages]
     swarm.wait_online(*nodes, timeout=START_S)
@@ -44,6 +50,19 @@ def start_swarm(
     data.wait_event("online", START_S)
     swarm.note_sockets()
     return data, nodes
+
+
+def replace_one_by_one(
+    swarm: LocalTestSwarm, victims: list[tuple[NodeProcess, int]]
+) -> Iterator[tuple[int, float, dict[str, Any], dict[str, Any], Path]]:
+    """For each (node, its stage) in turn: kill it, start a `join --stage auto` replacement that dumps its
+    recovery, and wait for it to recover and come online. Yields (stage, kill time, its "recovered" and
+    "online" events, the dump folder); the next node is killed once the caller has checked this one."""
+    for victim, stage in victims:
+        dump = swarm.folder / f"dump{stage}"
+        killed = kill(swarm, victim)
+        recovered, online = wait_recovered(swarm, join_auto(swarm, f"new{stage}", dump))
+        yield stage, killed, recovered, online, dump
 
 
 def wait_step(data: NodeProcess, step: int, timeout: float = START_S) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def test_bad_input_is_a_usage_error(started: list[Any], args: list[str], message
 def test_good_input_configures_the_swarm(started: list[Any], tmp_path: Path) -> None:
     args = ["--stages", "2", "--replicas", "3", "--data-nodes", "1", "--steps", "50", "--fail-rate", "0.2"]
     args += ["--kill", "2@10", "--kill", "0@20", "--no-checkfree-plus", "--respawn-delay", "0.5"]
-    args += ["--no-edge-swaps"]
+    args += ["--edge-swaps", "--no-edge-copies"]
     args += ["--out", str(tmp_path / "out"), "--seed", "7", "--run-id", "demo", "--timeout", "600"]
     args += ["--stall-timeout", "90", "--kill", "1@49"]
     result = CliRunner().invoke(up_module.up, args)
@@ -98,7 +98,8 @@ def test_good_input_configures_the_swarm(started: list[Any], tmp_path: Path) -> 
     assert (config.stages, config.replicas, config.data_nodes, config.steps) == (2, 3, 1, 50)
     assert config.fail_rate == 0.2 and [str(kill) for kill in config.kills] == ["2@10", "0@20", "1@49"]
     assert not config.checkfree_plus and config.respawn_delay == 0.5
-    assert not config.edge_swaps and "--no-edge-swaps" in config.bootstrap_argv()
+    assert config.edge_swaps and "--edge-swaps" in config.bootstrap_argv()
+    assert not config.edge_copies and "--no-edge-copies" in config.bootstrap_argv()
     assert (config.out, config.seed, config.run_id) == (tmp_path / "out", 7, "demo")
     assert (config.timeout, config.stall_timeout) == (600.0, 90.0)
     assert (tmp_path / "out" / "logs").is_dir()  # created before the launcher started

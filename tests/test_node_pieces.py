@@ -244,7 +244,7 @@ def test_plan_is_empty_without_any_transformer_stage() -> None:
 
 
 def test_checkfree_plus_swaps_both_edge_pairs_of_every_other_microbatch() -> None:
-    spec = RunSpec(run_id="r", stages=6, microbatches=8, checkfree_plus=True, preset="tiny")
+    spec = RunSpec(run_id="r", stages=6, microbatches=8, checkfree_plus=True, edge_swaps=True, preset="tiny")
     view = swarm_read(s0=("d",), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
     for iteration in (1, 2):
         planned = plan_iteration(view, "d", spec, iteration=iteration, tokens_per_microbatch=1024)
@@ -266,7 +266,7 @@ def test_a_run_without_edge_swaps_keeps_every_path_in_order() -> None:
 
 def test_checkfree_plus_swaps_every_data_node_evenly() -> None:
     # two data nodes with one microbatch each: each swaps every other iteration, never both at once
-    spec = RunSpec(run_id="r", stages=6, microbatches=1, checkfree_plus=True, preset="tiny")
+    spec = RunSpec(run_id="r", stages=6, microbatches=1, checkfree_plus=True, edge_swaps=True, preset="tiny")
     view = swarm_read(s0=("d1", "d2"), **{f"s{k}": (f"n{k}",) for k in range(1, 7)})
     for node in ("d1", "d2"):
         orders = [
@@ -286,7 +286,14 @@ def test_both_edge_pairs_swap_half_of_every_data_nodes_microbatches_in_every_con
     """Over any two iterations, exactly half of each data node's microbatches run with both edge pairs
     swapped, whatever the numbers of data nodes, microbatches and replicas (a model of 4 or more stages)."""
     preset = "llama-124m"  # 12 layers: 4 or 6 stages
-    spec = RunSpec(run_id="r", stages=stages, microbatches=microbatches, checkfree_plus=True, preset=preset)
+    spec = RunSpec(
+        run_id="r",
+        stages=stages,
+        microbatches=microbatches,
+        checkfree_plus=True,
+        edge_swaps=True,
+        preset=preset,
+    )
     drivers = tuple(f"d{i}" for i in range(data_nodes))
     nodes = {f"s{k}": tuple(f"n{k}r{r}" for r in range(replicas)) for k in range(1, stages + 1)}
     view = swarm_read(s0=drivers, **nodes)

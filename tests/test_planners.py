@@ -63,7 +63,7 @@ def test_random_skips_deal_every_replica_its_share() -> None:
 
 
 def test_checkfree_plus_swaps_apply_to_random_skips_too() -> None:
-    spec = RunSpec(stages=STAGES, microbatches=6, skip_ratio=0.34, planner="random_skips")
+    spec = RunSpec(stages=STAGES, microbatches=6, skip_ratio=0.34, planner="random_skips", edge_swaps=True)
     planned = whole_plan(six_stages(), spec, iteration=0)
     assert any(list(mb.stages[1:-1]) != sorted(mb.stages[1:-1]) for mb in planned)
     assert all(len(mb.stages) == 6 for mb in planned)

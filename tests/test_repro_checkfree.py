@@ -171,3 +171,26 @@ def test_staged_model_plans_a_partner_copy_only_after_its_stand_ins() -> None:
     for _ in range(2 * MIN_STAND_INS):
         plain.train_step(data)
     assert plain.stand_ins.recent(plain.step) == (0, 0)
+
+
+def test_staged_model_restores_an_edge_stage_from_the_copy_its_partner_keeps() -> None:
+    Data, Setup, StagedModel = staged()
+    from protocols.checkfree import Method
+
+    setup = Setup(seq_len=16, val_batches=1)
+    data = Data(setup)
+    model = StagedModel(setup, data.corpus.vocab_size, seed=2)
+    model.train_step(data)
+    model.refresh_edge_copies()
+    taken = model.state(1)
+    model.train_step(data)  # the copy is one step old now
+    assert model.plan(1, {1}, checkfree_plus=False).method is Method.CHECKFREE  # copies are CheckFree+'s
+    plan = model.plan(1, {1}, checkfree_plus=True)
+    assert (plan.method, plan.sources, plan.lr_factor) == (Method.EDGE_COPY, (2,), 1.0)
+    model.rebuild(plan)
+    for name, value in model.state(1).items():
+        assert torch.equal(value, taken[name]), name
+    assert not model.optimizers[1].adam.state
+    model.install(5, model.reinit_weights(5), 1.0)  # a rebuilt partner lost the copy it kept
+    assert model.plan(6, {6}, checkfree_plus=True).method is Method.CHECKFREE
+    assert model.plan(1, {1}, checkfree_plus=True).method is Method.EDGE_COPY

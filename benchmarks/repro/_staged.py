@@ -5,9 +5,10 @@ stages 1..s = `DecoderStage`s) and one `swarmnode.optim.StageOptimizer` per stag
 does; a microbatch runs through them in stage order, or in CheckFree+ order where
 `protocols.checkfree.swaps_edge_pairs` says so. Rebuilds go through `protocols.checkfree` (`plan_recovery`,
 `average_neighbours`, `copy_partner`, `restore_embeddings`), with the evidence a CheckFree+ copy needs (the
-swap partner's stand-ins) counted as stage nodes count it (`protocols.standins`). What the project lacks
-for an in-process study, and is built here: forking a trained model with its optimizer state, and a batch
-stream that any fork can resume at any step (batches are a function of (seed, step, microbatch)).
+swap partner's stand-ins) counted as stage nodes count it (`protocols.standins`), and the edge copies taken
+when the script says (`refresh_edge_copies`). What the project lacks for an in-process study, and is built
+here: forking a trained model with its optimizer state, and a batch stream that any fork can resume at any
+step (batches are a function of (seed, step, microbatch)).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from protocols.checkfree import (
     reinit_seed,
     restore_embeddings,
     swap_edge_pairs,
+    swap_partner,
     swaps_edge_pairs,
 )
 from protocols.standins import StandIns, edge_places
@@ -100,6 +102,7 @@ class StagedModel:
         self.optimizers = [StageOptimizer(piece, setup.schedule()) for piece in self.pieces]
         self.step = 0  # optimizer steps taken by the whole model (the batch address)
         self.copies: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None  # CheckFree+ E, E'
+        self.edge_copies: dict[int, dict[str, Tensor]] = {}  # edge stage -> the copy its partner keeps
         # iterations in which stage 2 ran in stage 1's place (`first`) and stage s-1 in stage s's (`last`)
         self.stand_ins = StandIns()
 
@@ -184,6 +187,10 @@ class StagedModel:
         head = {HEAD_PREFIX + n: t.detach().clone() for n, t in data.head.state_dict().items()}
         self.copies = (embedding, head)
 
+    def refresh_edge_copies(self) -> None:
+        """Edge copies: stage-2 nodes take a copy of stage 1's weights, stage-(s-1) nodes one of stage s's."""
+        self.edge_copies = {k: self.state(k) for k in {1, self.n_stages} if swap_partner(k, self.n_stages)}
+
     def reinit_weights(self, k: int) -> dict[str, Tensor]:
         """Fresh weights for stage k, as a re-initialised node draws them (`reinit_seed` of the run seed,
         the stage and the step: not the run's step-0 weights)."""
@@ -195,6 +202,7 @@ class StagedModel:
         copies of E and E' held exactly when CheckFree+ took them, and the swap partners' stand-ins over the
         recent window (at the clock a stage node reports them: the steps taken)."""
         held = checkfree_plus and self.copies is not None
+        edge_held = set(self.edge_copies) if checkfree_plus else set()
         first, last = self.stand_ins.recent(self.step)
         return plan_recovery(
             stage,
@@ -204,12 +212,14 @@ class StagedModel:
             stood_in={1: first, self.n_stages: last} if self.n_stages > 1 else {},
             embedding_copy_held=held,
             head_copy_held=held,
+            edge_copies_held=edge_held,
         )
 
     def install(self, k: int, weights: Mapping[str, Tensor], lr_factor: float) -> None:
         """Stage k takes `weights` and starts a fresh Adam at `lr_factor` (its schedule position stays); a
-        rebuilt swap partner has not yet stood in for its edge stage."""
+        rebuilt swap partner has not yet stood in for its edge stage, nor does it keep its edge copy."""
         self.pieces[k].load_state_dict(dict(weights), strict=True)
+        self.edge_copies = {e: c for e, c in self.edge_copies.items() if swap_partner(e, self.n_stages) != k}
         if k == 2:
             self.stand_ins = replace(self.stand_ins, first=())
         if k == self.n_stages - 1:
@@ -224,6 +234,8 @@ class StagedModel:
             weights = average_neighbours(self.state(src[0]), self.state(src[1]), *map(self.grad_norm, src))
         elif recovery.method in (Method.CHECKFREE, Method.CHECKFREE_PLUS_COPY):  # one source: a copy
             weights = copy_partner(self.state(src[0]))
+        elif recovery.method is Method.EDGE_COPY:
+            weights = copy_partner(self.edge_copies[k])
         elif recovery.method is Method.EMBEDDING_COPY:
             if self.copies is None:
                 raise ValueError("stage 0 planned from copies that were never taken")

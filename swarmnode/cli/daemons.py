@@ -153,15 +153,21 @@ def _peers_or_fail(value: str | None) -> list[str]:
 @click.option(
     "--checkfree-plus/--no-checkfree-plus",
     default=None,
-    help="CheckFree+ (default on): copies of the embeddings next door and, with 4 or more transformer "
-    "stages, edge stages swapped on half the microbatches (see --edge-swaps).",
+    help="CheckFree+ (default on): copies of the embeddings and of the edge stages next door (see "
+    "--edge-copies, --edge-swaps).",
+)
+@click.option(
+    "--edge-copies/--no-edge-copies",
+    default=None,
+    help="Stage 2 keeps a copy of stage 1's weights and stage s-1 one of stage s's, refreshed every 10 "
+    "steps, which rebuild a lost edge stage (default on; docs/design.md).",
 )
 @click.option(
     "--edge-swaps/--no-edge-swaps",
     default=None,
-    help="CheckFree+'s edge-stage swaps (default on, as in the paper): they cost 3-10% of validation loss "
-    "when no edge stage is lost, and make a lost edge stage a copy of the partner that stood in for it "
-    "(docs/swarm-quality.md); off, CheckFree+ keeps only the copies of the embeddings.",
+    help="The paper's CheckFree+ edge-stage swaps, on half the microbatches with 4 or more transformer "
+    "stages (default off: they cost 2-10% of validation loss when no edge stage is lost; "
+    "docs/swarm-quality.md).",
 )
 @click.option(
     "--skip-ratio",
@@ -227,6 +233,7 @@ def bootstrap(
     tokenizer: Path | None,
     seed: int | None,
     checkfree_plus: bool | None,
+    edge_copies: bool | None,
     edge_swaps: bool | None,
     skip_ratio: float | None,
     planner: str | None,
@@ -265,6 +272,7 @@ def bootstrap(
             microbatches=microbatches,
             seed=seed,
             checkfree_plus=checkfree_plus,
+            edge_copies=edge_copies,
             edge_swaps=edge_swaps,
             skip_ratio=skip_ratio,
             planner=planner,

@@ -98,13 +98,19 @@ class FiniteFloatRange(click.FloatRange):
     "--checkfree-plus/--no-checkfree-plus",
     default=True,
     show_default=True,
-    help="CheckFree+: copies of the embeddings, and edge-stage swaps (4 or more transformer stages only).",
+    help="CheckFree+: copies of the embeddings and (--edge-copies) of the edge stages next door.",
+)
+@click.option(
+    "--edge-copies/--no-edge-copies",
+    default=True,
+    show_default=True,
+    help="CheckFree+'s copies of stage 1 at stage 2 and of stage s at stage s-1.",
 )
 @click.option(
     "--edge-swaps/--no-edge-swaps",
-    default=True,
+    default=False,
     show_default=True,
-    help="CheckFree+'s edge-stage swaps (off: only the copies of the embeddings).",
+    help="The paper's CheckFree+ edge-stage swaps (4 or more transformer stages only).",
 )
 @click.option(
     "--respawn-delay",
@@ -183,6 +189,7 @@ def up(
     kills: tuple[StageKill, ...],
     calm: bool,
     checkfree_plus: bool,
+    edge_copies: bool,
     edge_swaps: bool,
     respawn_delay: float,
     standbys: int,
@@ -232,6 +239,7 @@ def up(
         fail_rate=fail_rate,
         kills=kills,
         checkfree_plus=checkfree_plus,
+        edge_copies=edge_copies,
         edge_swaps=edge_swaps,
         device=device,
         dtype=dtype,

@@ -36,7 +36,8 @@ class SwarmConfig:
     fail_rate: float = 0.0
     kills: tuple[StageKill, ...] = ()
     checkfree_plus: bool = True
-    edge_swaps: bool = True  # CheckFree+'s swaps (`bootstrap --edge-swaps`)
+    edge_copies: bool = True  # CheckFree+'s copies of the edge stages (`bootstrap --edge-copies`)
+    edge_swaps: bool = False  # the paper's CheckFree+ swaps (`bootstrap --edge-swaps`)
     device: str = "auto"  # every node's `join --device`
     dtype: str = "float32"  # the run's compute dtype (`bootstrap --dtype`)
     respawn_delay: float = 2.0
@@ -99,6 +100,7 @@ class SwarmConfig:
             "--run-id", self.run_id, "--host", "127.0.0.1", "--port", "0",
             "--peers-file", str(self.peers_file), "--steps", str(self.steps), "--seed", str(self.seed),
             "--checkfree-plus" if self.checkfree_plus else "--no-checkfree-plus",
+            "--edge-copies" if self.edge_copies else "--no-edge-copies",
             "--edge-swaps" if self.edge_swaps else "--no-edge-swaps", "--dtype", self.dtype,
             "--skip-ratio", str(self.skip_ratio), "--planner", self.planner,
             "--min-data-nodes", str(self.data_nodes), "--min-replicas", str(self.replicas),
@@ -164,6 +166,7 @@ class SwarmConfig:
             "fail_rate_unit": FAIL_RATE_UNIT,
             "kills": [str(kill) for kill in self.kills],
             "checkfree_plus": self.checkfree_plus,
+            "edge_copies": self.edge_copies,
             "edge_swaps": self.edge_swaps,
             "device": self.device,
             "dtype": self.dtype,

@@ -58,6 +58,7 @@ def swarm_simulated_seconds(config: SwarmConfig, nodes: Sequence[LaunchedNode]) 
         total_steps=config.steps,
         seed=config.seed,
         checkfree_plus=config.checkfree_plus,
+        edge_copies=config.edge_copies,
         edge_swaps=config.edge_swaps,
         dtype=config.dtype,
         skip_ratio=config.skip_ratio,

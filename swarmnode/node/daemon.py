@@ -21,7 +21,7 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from protocols.bounds import CLOCK_MARGIN
-from protocols.checkfree import Recovery, replica_lr_factor
+from protocols.checkfree import Recovery, copies_kept, copy_source, replica_lr_factor
 from protocols.hops import Abort, Backward, Forward, Route
 from protocols.links import LinkCost
 from protocols.messages import Ack, AveragingRequest, ErrorCode, NodeRecord, NodeState, Pong, Rpc, encode
@@ -126,12 +126,8 @@ class Node(ABC):
         self.move_to: int | None = None  # set when this node decides to leave for a lost stage
         self.copies: dict[StatePart, state.TensorMap] = {}
         self.copy_parts: tuple[StatePart, ...] = ()
-        if spec.checkfree_plus and stage >= 1:
-            self.copy_parts = tuple(
-                part
-                for part, holder in ((StatePart.EMBEDDING_COPY, 1), (StatePart.HEAD_COPY, spec.stages))
-                if stage == holder
-            )
+        if spec.checkfree_plus:
+            self.copy_parts = copies_kept(stage, spec.stages, spec.edge_copies)
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -325,10 +321,13 @@ class Node(ABC):
         self.outer.resume_at(0, step)
 
     async def refresh_copies(self) -> None:
-        """CheckFree+: refresh this node's copies of E / E' from a live data node."""
+        """CheckFree+: refresh this node's copies of E / E' from a live data node, of an edge stage's
+        weights from a live node of that stage."""
         for part in self.copy_parts:
             try:
-                _, self.copies[part] = await recovery.fetch_any(self, 0, (part,))
+                _, self.copies[part] = await recovery.fetch_any(
+                    self, copy_source(part, self.spec.stages), (part,)
+                )
             except recovery.RecoveryFailed as error:
                 logger.info("copy refresh failed: %s", error)
 

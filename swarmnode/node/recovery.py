@@ -27,6 +27,7 @@ from protocols.checkfree import (
     Recovery,
     average_neighbours,
     copy_partner,
+    edge_copy_part,
     plan_recovery,
     reinit_seed,
     restore_embeddings,
@@ -210,6 +211,15 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
         part: any(part in peer.record.copies for peer in view.stages.get(k, ()) if peer.peer_id != node.me)
         for part, k in ((StatePart.EMBEDDING_COPY, 1), (StatePart.HEAD_COPY, spec.stages))
     }
+    edge_part, partner = edge_copy_part(node.stage, spec.stages), swap_partner(node.stage, spec.stages)
+    keepers = []  # the partner's live, trained nodes whose records say they keep this stage's copy
+    if edge_part is not None and partner is not None:
+        live = set(trained[partner])
+        keepers = [
+            p.peer_id
+            for p in view.stages.get(partner, ())
+            if p.peer_id in live and edge_part in p.record.copies
+        ]
     reports = stand_ins(view, dict(zip(stages, trained, strict=True)), node.stage, spec.stages)
     plan = plan_recovery(
         node.stage,
@@ -220,6 +230,7 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
         stood_in={node.stage: max(reports.values())} if reports else {},
         embedding_copy_held=holders[StatePart.EMBEDDING_COPY],
         head_copy_held=holders[StatePart.HEAD_COPY],
+        edge_copies_held={node.stage} if keepers else set(),
     )
     if plan.method == Method.REPLICA:
         parts = (StatePart.WEIGHTS, StatePart.OPTIMIZER)
@@ -239,6 +250,11 @@ async def obtain_state(node: Joiner) -> tuple[Recovery, dict[str, Any]] | None:
         await node.compute.submit(Priority.STEP, lambda: node.load_rebuilt(restored, plan, step=step))
         evidence = [_evidence(embedding_header, embedding), _evidence(head_header, head)]
         return plan, {"sources": evidence, "loaded": restored}
+    if plan.method == Method.EDGE_COPY and edge_part is not None:
+        header, kept = await fetch_any(node, plan.sources[0], (edge_part,), among=keepers)
+        restored = copy_partner(kept)
+        await node.compute.submit(Priority.STEP, lambda: node.load_rebuilt(restored, plan, step=header.step))
+        return plan, {"sources": [_evidence(header, kept)], "loaded": restored}
     # a swap partner's copy comes from a node that itself stood in for this stage
     among = (
         [p for p, n in reports.items() if n >= MIN_STAND_INS]

@@ -25,6 +25,7 @@ from typing import Protocol
 from torch import nn
 
 from protocols.access import refusal
+from protocols.checkfree import copy_places
 from protocols.messages import ErrorCode, NodeState, encode
 from protocols.transfers import StatePart, StateRequest, StateTransfer
 from swarmnode.node import state
@@ -194,8 +195,10 @@ class StateServer:
             return state.weights(node.piece)
         if part == StatePart.OPTIMIZER:
             return state.optimizer_state(node.piece, node.optimizer, node.outer.phi, node.outer.delta)
-        if node.stage == 0:
-            return state.split_piece_copy(state.weights(node.piece), part)
+        places = copy_places(part, node.spec.stages)
+        if places is not None and places[0] == node.stage:  # this node's own E, E' or edge-stage weights
+            weights = state.weights(node.piece)
+            return state.split_piece_copy(weights, part) if node.stage == 0 else weights
         if part in node.copies:
             return node.copies[part]  # replaced, never changed, by each refresh
         raise Rejected(ErrorCode.BUSY, f"this node holds no {part}")

@@ -93,23 +93,36 @@ def test_swarmnode_up_trains_reports_and_cleans_up(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(LAUNCHER_TIMEOUT_S + 120)
-@pytest.mark.parametrize("swaps", [True, False], ids=["edge-swaps", "no-edge-swaps"])
-def test_an_edge_stage_is_its_partners_copy_only_where_the_run_swaps(tmp_path: Path, swaps: bool) -> None:
-    """Six stages, stage 1 killed: with the swaps, its partner (stage 2) stood in for it and it comes back
-    as that partner's copy; `--no-edge-swaps` reaches the bootstrap, the planner and the recovery, and it
-    comes back as CheckFree's neighbour copy, saying why."""
+@pytest.mark.parametrize(
+    ("flags", "method"),
+    [
+        (("--edge-copies", "--no-edge-swaps"), "edge_copy"),
+        (("--no-edge-copies", "--edge-swaps"), "checkfree_plus_copy"),
+        (("--no-edge-copies", "--no-edge-swaps"), "checkfree"),
+    ],
+    ids=["edge-copies", "edge-swaps", "neither"],
+)
+def test_a_lost_edge_stage_is_its_copy_or_its_partners_as_the_run_says(
+    tmp_path: Path, flags: tuple[str, str], method: str
+) -> None:
+    """Six stages, stage 1 killed: with edge copies (the default) it comes back as the copy of itself that
+    stage 2 keeps; with the paper's swaps instead, stage 2 stood in for it and it comes back as that
+    partner's copy; with neither, as CheckFree's neighbour copy, saying why. The flags reach the bootstrap,
+    the planner and the recovery."""
     out = tmp_path / "swarm"
     argv = [sys.executable, "-m", "swarmnode", "up", "--stages", "6", "--replicas", "1", "--data-nodes", "1"]
-    # by step 12 stage 2 stood in on 12 iterations (one microbatch of two swaps in each), 4 needed
-    argv += ["--steps", "24", "--kill", "1@12", "--out", str(out), "--timeout", str(LAUNCHER_TIMEOUT_S)]
-    argv += ["--edge-swaps" if swaps else "--no-edge-swaps"]
+    # by step 16 stage 2 took its copy at step 10 and, swapping, stood in on 16 iterations (4 needed)
+    argv += ["--steps", "24", "--kill", "1@16", "--out", str(out), "--timeout", str(LAUNCHER_TIMEOUT_S)]
+    argv += flags
     launched = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCHER_TIMEOUT_S + 60)
     assert launched.returncode == 0, launched.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
+    swaps, copies = flags[1] == "--edge-swaps", flags[0] == "--edge-copies"
     assert report["outcome"] == "completed" and report["settings"]["edge_swaps"] is swaps
+    assert report["settings"]["edge_copies"] is copies
     [recovery] = report["recoveries"]
-    assert recovery["stage"] == 1 and recovery["method"] == ("checkfree_plus_copy" if swaps else "checkfree")
+    assert recovery["stage"] == 1 and recovery["method"] == method
     said = "this run does not swap edge stages (edge swaps off)"
     logs = "".join(path.read_text() for path in (out / "logs").iterdir())
-    assert (said in logs) is not swaps
+    assert (said in logs) is (method == "checkfree")
     assert [node["name"] for node in report["nodes"] if group_running(node["pid"])] == []

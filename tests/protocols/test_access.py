@@ -10,6 +10,7 @@ from protocols.messages import NodeState
 from protocols.transfers import StatePart
 
 W, OPT, E, H = StatePart.WEIGHTS, StatePart.OPTIMIZER, StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY
+FIRST, LAST = StatePart.FIRST_STAGE_COPY, StatePart.LAST_STAGE_COPY
 J, R, ON, L = NodeState.JOINING, NodeState.RECOVERING, NodeState.ONLINE, NodeState.LEAVING
 X = NodeState.EXPORTING
 
@@ -41,6 +42,19 @@ def test_copies_go_to_their_holders_and_back_to_a_recovering_data_node() -> None
     assert allowed((E,), 1, 0, R) and allowed((H,), 4, 0, J)
     assert not allowed((E,), 1, 0, ON) and not allowed((H,), 1, 0, R)
     assert not allowed((E,), 0, 1, ON, plus=False)  # no copies without CheckFree+
+
+
+def test_edge_copies_go_from_the_edge_stage_to_its_partner_and_back_to_a_recovering_edge_node() -> None:
+    assert allowed((FIRST,), 1, 2, ON) and allowed((FIRST,), 1, 2, R) and allowed((LAST,), 4, 3, ON)
+    assert allowed((FIRST,), 2, 1, R) and allowed((LAST,), 3, 4, J)
+    assert not allowed((FIRST,), 2, 1, ON)  # an online stage-1 node has its own weights
+    assert (
+        not allowed((FIRST,), 1, 3, ON) and not allowed((LAST,), 1, 2, ON) and not allowed((LAST,), 3, 2, R)
+    )
+    assert not allowed((FIRST,), 1, 2, L) and not allowed((FIRST,), 1, 2, X)
+    assert not allowed((FIRST,), 1, 2, ON, plus=False)
+    one = refusal((FIRST,), stage=1, num_stages=1, checkfree_plus=True, requester_stage=1, requester_state=R)
+    assert one == "first_stage_copy of stage 1 is not for a node recovering at stage 1"  # no neighbour
 
 
 def test_an_exporter_gets_the_weights_of_every_stage_and_nothing_else() -> None:

@@ -14,7 +14,11 @@ from protocols.checkfree import (
     Method,
     Recovery,
     average_neighbours,
+    copies_kept,
     copy_partner,
+    copy_places,
+    copy_source,
+    edge_copy_part,
     plan_recoveries,
     plan_recovery,
     reinit_seed,
@@ -25,6 +29,7 @@ from protocols.checkfree import (
 )
 from protocols.errors import LocalProtocolError
 from protocols.standins import MIN_STAND_INS, STAND_IN_WINDOW_STEPS, StandIns
+from protocols.transfers import StatePart
 
 
 def stage(value: float) -> dict[str, torch.Tensor]:
@@ -275,7 +280,9 @@ def test_reasons_are_plain() -> None:
     )
 
 
-def edge_plan(stage: int, s: int, alive: set[int], plus: bool, stood: int, swaps: bool = True) -> Recovery:
+def edge_plan(
+    stage: int, s: int, alive: set[int], plus: bool, stood: int, swaps: bool = True, held: tuple = ()
+) -> Recovery:
     return plan_recovery(
         stage,
         num_stages=s,
@@ -285,7 +292,60 @@ def edge_plan(stage: int, s: int, alive: set[int], plus: bool, stood: int, swaps
         embedding_copy_held=True,
         head_copy_held=True,
         edge_swaps=swaps,
+        edge_copies_held=held,
     )
+
+
+def test_a_lost_edge_stage_is_the_copy_its_partner_keeps_before_any_swap_partner_copy() -> None:
+    for lost, s, partner in ((1, 6, 2), (6, 6, 5), (1, 3, 2), (3, 3, 2), (1, 2, 2), (2, 2, 1)):
+        alive = set(range(s + 1)) - {lost}
+        held = plan_recovery(
+            lost, num_stages=s, alive=alive, checkfree_plus=True, stood_in={lost: STAND_IN_WINDOW_STEPS},
+            embedding_copy_held=True, head_copy_held=True, edge_copies_held={lost},
+        )  # fmt: skip
+        assert (held.method, held.sources, held.reset_optimizer) == (Method.EDGE_COPY, (partner,), True)
+        assert held.lr_factor == 1.0  # its own weights, not a neighbour's: no x1.1
+        assert held.reason == f"stage {lost} restored from the copy of its weights kept by stage {partner}"
+    # the copy of the other edge stage does not help; a lost partner took the copy with it
+    other = edge_plan(1, 6, {0, 2, 3, 4, 5, 6}, plus=True, stood=MIN_STAND_INS, held=(6,))
+    assert other.method is CFP and "keeps a copy" not in other.reason
+    both = edge_plan(1, 6, {0, 3, 4, 5, 6}, plus=True, stood=0, held=(1,))
+    assert both.method is Method.REINIT and "stage 2, is lost too" in both.reason
+    assert edge_plan(1, 6, {0, 2, 3, 4, 5, 6}, plus=False, stood=0, held=(1,)).method is CF  # CheckFree+ off
+    # a middle stage has no edge copy; neither has a model of one transformer stage
+    for bad in (3, 0, True):
+        with pytest.raises(LocalProtocolError, match="is no edge stage"):
+            edge_plan(1, 6, {0, 2, 3, 4, 5, 6}, plus=True, stood=0, held=(bad,))
+    with pytest.raises(LocalProtocolError, match="is no edge stage of 1 stages"):
+        plan_recoveries(
+            num_stages=1, alive={0}, checkfree_plus=True, stood_in={}, embedding_copy_held=True,
+            head_copy_held=True, edge_copies_held={1},
+        )  # fmt: skip
+    plans = plan_recoveries(
+        num_stages=4, alive={0, 2, 3}, checkfree_plus=True, stood_in={}, embedding_copy_held=True,
+        head_copy_held=True, edge_copies_held={1, 4},
+    )  # fmt: skip
+    assert {k: p.method for k, p in plans.items()} == {1: Method.EDGE_COPY, 4: Method.EDGE_COPY}
+
+
+def test_who_keeps_which_copy() -> None:
+    first, last = StatePart.FIRST_STAGE_COPY, StatePart.LAST_STAGE_COPY
+    assert copy_places(StatePart.EMBEDDING_COPY, 4) == (0, 1) and copy_places(StatePart.HEAD_COPY, 4) == (
+        0,
+        4,
+    )
+    assert copy_places(first, 4) == (1, 2) and copy_places(last, 4) == (4, 3)
+    assert copy_places(first, 1) is None and copy_places(StatePart.WEIGHTS, 4) is None
+    assert copy_source(last, 4) == 4 and copy_source(StatePart.HEAD_COPY, 4) == 0
+    with pytest.raises(LocalProtocolError, match="is no copy"):
+        copy_source(first, 1)
+    kept = [copies_kept(k, 4, True) for k in range(5)]
+    assert kept == [(), (StatePart.EMBEDDING_COPY,), (first,), (last,), (StatePart.HEAD_COPY,)]
+    assert copies_kept(2, 3, True) == (first, last) and copies_kept(2, 3, False) == ()
+    assert copies_kept(1, 2, True) == (StatePart.EMBEDDING_COPY, last)
+    assert copies_kept(1, 1, True) == (StatePart.EMBEDDING_COPY, StatePart.HEAD_COPY)
+    assert [edge_copy_part(k, 4) for k in range(6)] == [None, first, None, None, last, None]
+    assert edge_copy_part(1, 1) is None
 
 
 def test_without_edge_swaps_an_edge_stage_is_a_partner_copy_only_where_skipping_paths_put_it_there() -> None:
@@ -321,6 +381,7 @@ def test_no_recent_stand_in_means_the_fallback_with_the_reason() -> None:
     none = edge_plan(1, 4, {0, 2, 3, 4}, plus=True, stood=0).reason
     assert none == (
         "stage 1 rebuilt as a copy of stage 2, its only transformer neighbour (no swap partner's copy: no "
+        "live node of stage 2 keeps a copy of it; no "
         f"live node of stage 2 served a microbatch in stage 1's place in the last {STAND_IN_WINDOW_STEPS} "
         "steps; a neighbour's copy recovers at least as well as fresh weights)"
     )
