@@ -41,7 +41,7 @@ from swarmnode.node.router import Router
 from swarmnode.node.serving import StateServer
 from swarmnode.node.worker import Wire
 from swarmnode.optim import Schedule, StageOptimizer
-from swarmnode.pieces import build_piece
+from swarmnode.pieces import build_piece, copy_layout
 from swarmnode.precision import wire_dtypes
 from swarmnode.presets import get_preset
 from swarmnode.relays import relays_of
@@ -324,9 +324,11 @@ class Node(ABC):
         """CheckFree+: refresh this node's copies of E / E' from a live data node, of an edge stage's
         weights from a live node of that stage."""
         for part in self.copy_parts:
+            # a copy of another layout, or not finite, is refused (the next donor is asked; the old copy kept)
+            check = state.layout_check(copy_layout(self.model_config, part, self.spec.stages), str(part))
             try:
                 _, self.copies[part] = await recovery.fetch_any(
-                    self, copy_source(part, self.spec.stages), (part,)
+                    self, copy_source(part, self.spec.stages), (part,), check
                 )
             except recovery.RecoveryFailed as error:
                 logger.info("copy refresh failed: %s", error)

@@ -9,6 +9,7 @@ Everything received is checked against the local layout and for finite values be
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,15 @@ def check_layout(reference: TensorMap, received: TensorMap, what: str) -> None:
         raise StateMismatch(f"{what}: {problem}")
     for name, tensor in received.items():
         check_tensor(tuple(reference[name].shape), tensor, f"{what}: {name}")
+
+
+def layout_check(reference: TensorMap, what: str) -> Callable[[object, TensorMap], None]:
+    """A check for `recovery.fetch_any`: `check_layout` of what a donor sent against `reference`."""
+
+    def check(_header: object, received: TensorMap) -> None:
+        check_layout(reference, received, what)
+
+    return check
 
 
 def check_tensor(shape: tuple[int, ...], tensor: Tensor, what: str, nonnegative: bool = False) -> None:
