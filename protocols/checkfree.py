@@ -26,7 +26,7 @@ from typing import Any
 from protocols._arraymap import ArrayMap, check_same_layout, first_non_finite, weighted_sum
 from protocols.errors import LocalProtocolError, RemoteProtocolError
 from protocols.standins import MIN_STAND_INS, STAND_IN_WINDOW_STEPS
-from protocols.transfers import StatePart
+from protocols.transfers import EDGE_COPIES, StatePart
 
 DEFAULT_LR_FACTOR = 1.1
 SWAP_MIN_STAGES = 4  # CheckFree+ swaps need the first pair (S1, S2) and the last (S(s-1), Ss) to be apart
@@ -81,7 +81,7 @@ def copy_places(part: StatePart, num_stages: int) -> tuple[int, int] | None:
         StatePart.FIRST_STAGE_COPY: (1, 2),
         StatePart.LAST_STAGE_COPY: (s, s - 1),
     }.get(part)
-    if places is None or (part in (StatePart.FIRST_STAGE_COPY, StatePart.LAST_STAGE_COPY) and s < 2):
+    if places is None or (part in EDGE_COPIES and s < 2):
         return None
     return places
 

@@ -60,10 +60,9 @@ def run(
             curve[model.step] = model.evaluate(data)
     before = model.evaluate(data)
     curve[steps] = before
-    rebuilt, control = model.fork(), model.fork()
-    for fork in (rebuilt, control):
-        for _ in range(window):
-            fork.train_step(data, checkfree_plus=plus)
+    control = model.fork()
+    for _ in range(window):
+        control.train_step(data, checkfree_plus=plus)
     out = {"val": before, "control_later": control.evaluate(data), "curve": curve}
     regimes = [("s1", False)] + ([("s1_copy", True)] if not plus else [])
     for name, from_copy in regimes:  # without swaps: CheckFree's neighbour copy, then the edge copy
