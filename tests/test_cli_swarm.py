@@ -63,6 +63,8 @@ def usage_error(*args: str) -> str:
         (["bootstrap", "--preset", "nope"], "unknown preset 'nope'"),
         (["bootstrap", "--stages", "0"], "0 is not in the range"),
         (["bootstrap", "--run", "/nonexistent/run.json"], "cannot read run file"),
+        (["bootstrap", "--seq-len", "4096"], "seq_len 4096 exceeds the preset's context 128"),
+        (["bootstrap", "--batch-size", "0"], "0 is not in the range"),
         (["status"], "no initial peers given"),
         (
             ["status", "--initial-peers", PEER, "--run-owner", "QmNotAKey"],
@@ -91,6 +93,19 @@ def test_a_peers_file_that_cannot_be_written_is_a_usage_error_before_the_dht_sta
     assert "Invalid value for --peers-file: cannot create /dev/null/x: Not a directory" in output
     output = usage_error("bootstrap", "--peers-file", str(tmp_path))
     assert f"Invalid value for --peers-file: {tmp_path} is a directory" in output
+
+
+def test_the_bootstrap_publishes_the_batch_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    published: list[RunSpec] = []
+
+    async def run(spec: RunSpec, *args: object) -> int:
+        published.append(spec)
+        return 0
+
+    monkeypatch.setattr(bootstrap_module, "run_bootstrap", run)
+    result = CliRunner().invoke(main, ["bootstrap", "--batch-size", "2", "--seq-len", "64"])
+    assert result.exit_code == 0, result.output
+    assert (published[0].batch_size, published[0].seq_len) == (2, 64)
 
 
 class FakeDHT:

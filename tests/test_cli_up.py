@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from swarmnode.cli import up as up_module
-from swarmnode.launcher import RunOutcome, SwarmResult
+from swarmnode.launcher import RunOutcome, SwarmResult, footprint
 
 REPORT = {
     "steps_completed": 30,
@@ -42,6 +43,7 @@ def started(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Any]:
             return SwarmResult(RunOutcome.COMPLETED, "30 steps done", None, REPORT)
 
     monkeypatch.setattr(up_module, "LocalSwarm", FakeSwarm)
+    monkeypatch.setattr(footprint, "available_bytes", lambda: 16 * footprint.GIB)  # whatever this machine has
     return configs
 
 
@@ -75,6 +77,8 @@ def started(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Any]:
         (["--respawn-delay", "-1"], "Invalid value for '--respawn-delay'"),
         (["--timeout", "0"], "Invalid value for '--timeout'"),
         (["--run-id", "a.b"], "run id 'a.b' must be 1-64 characters without '.'"),
+        (["--batch-size", "0"], "Invalid value for '--batch-size'"),
+        (["--seq-len", "4096"], "seq_len 4096 exceeds the preset's context 128"),
     ],
 )
 def test_bad_input_is_a_usage_error(started: list[Any], args: list[str], message: str) -> None:
@@ -176,3 +180,33 @@ def test_exit_codes_and_the_summary_of_a_run_that_did_not_complete(
     result = CliRunner().invoke(up_module.up, ["--out", str(tmp_path)])
     assert result.exit_code == code
     assert result.output == f"{outcome.value}: {SUMMARY}\n"
+
+
+def test_a_swarm_this_machine_cannot_hold_is_refused_before_it_starts(started: list[Any]) -> None:
+    # llama-124m's own batch, 64 x 512 tokens a microbatch: a stage node would pin 8 GiB a microbatch
+    large = ["--preset", "llama-124m", "--device", "cpu"]
+    result = CliRunner().invoke(up_module.up, large)
+    assert result.exit_code == 2, result.output
+    error = result.output.strip().splitlines()[-1]
+    assert error.startswith("Error: this swarm needs about ") and "16.0 GiB available" in error
+    assert "up to 8 microbatches of 64 x 512 tokens" in error
+    assert error.endswith("use a smaller --preset or --seq-len, or fewer --replicas and --data-nodes")
+    assert started == []
+    result = CliRunner().invoke(
+        up_module.up, ["--preset", "llama-124m", "--device", "cpu", "--seq-len", "128"]
+    )
+    assert result.exit_code == 2
+    fit = re.fullmatch(r".*; use --batch-size (\d+) or less", result.output.strip().splitlines()[-1])
+    assert fit is not None and 1 <= int(fit.group(1)) < 64  # shorter sequences: a smaller batch fits
+    assert started == []
+
+
+def test_a_smaller_batch_of_a_large_preset_fits(started: list[Any]) -> None:
+    args = ["--preset", "llama-124m", "--device", "cpu", "--batch-size", "1", "--seq-len", "128"]
+    result = CliRunner().invoke(up_module.up, [*args, "--replicas", "1", "--data-nodes", "1"])
+    assert result.exit_code == 0, result.output
+    [config] = started
+    assert (config.batch_size, config.seq_len) == (1, 128)
+    assert (config.settings()["batch_size"], config.settings()["seq_len"]) == (1, 128)  # in the report
+    argv = config.bootstrap_argv()
+    assert argv[argv.index("--batch-size") + 1] == "1" and argv[argv.index("--seq-len") + 1] == "128"

@@ -18,6 +18,7 @@ from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.config_file import config_option
 from swarmnode.cli.log_options import logging_options
 from swarmnode.cli.network_options import network_options
+from swarmnode.cli.options import batch_options
 from swarmnode.cli.reach_options import reach_options
 from swarmnode.node.human_lines import PROGRESS_EVERY_STEPS
 from swarmnode.runspec import PLANNERS, RunSpec, RunSpecError, RunVersionMismatch
@@ -131,6 +132,7 @@ def _peers_or_fail(value: str | None) -> list[str]:
     default=None,
     help="Microbatches per iteration for each replica of the narrowest stage.",
 )
+@batch_options
 @click.option(
     "--data",
     default=None,
@@ -228,6 +230,8 @@ def bootstrap(
     run_id: str | None,
     steps: int | None,
     microbatches: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
     data: str | None,
     text_column: str | None,
     tokenizer: Path | None,
@@ -270,6 +274,8 @@ def bootstrap(
             stages=stages,
             total_steps=steps,
             microbatches=microbatches,
+            batch_size=batch_size,
+            seq_len=seq_len,
             seed=seed,
             checkfree_plus=checkfree_plus,
             edge_copies=edge_copies,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import click
 
@@ -12,6 +13,24 @@ from swarmnode.presets import Preset, get_preset
 
 if TYPE_CHECKING:
     from swarmnode.data import Corpus
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def batch_options(func: F) -> F:
+    """`--batch-size` and `--seq-len`: the shape of the run's microbatches (default: the preset's)."""
+    func = click.option(
+        "--seq-len",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Tokens per sequence (default: the preset's; at most its context).",
+    )(func)
+    return click.option(
+        "--batch-size",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Sequences per microbatch (default: the preset's).",
+    )(func)
 
 
 def preset_or_fail(name: str) -> Preset:

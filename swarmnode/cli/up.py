@@ -15,7 +15,7 @@ from swarmnode.cli.compute import device_option, device_or_fail, dtype_option
 from swarmnode.cli.config_file import config_option
 from swarmnode.cli.log_options import logging_options
 from swarmnode.cli.network_options import read_network
-from swarmnode.cli.options import preset_or_fail, stages_or_fail
+from swarmnode.cli.options import batch_options, preset_or_fail, stages_or_fail
 from swarmnode.launcher import (
     FAIL_RATE_UNIT,
     STALL_TIMEOUT_S,
@@ -77,6 +77,7 @@ class FiniteFloatRange(click.FloatRange):
 @click.option(
     "--steps", type=click.IntRange(min=1), default=100, show_default=True, help="Training steps of the run."
 )
+@batch_options
 @click.option(
     "--fail-rate",
     type=FiniteFloatRange(0.0, 1.0, max_open=True),
@@ -185,6 +186,8 @@ def up(
     replicas: int,
     data_nodes: int,
     steps: int,
+    batch_size: int | None,
+    seq_len: int | None,
     fail_rate: float,
     kills: tuple[StageKill, ...],
     calm: bool,
@@ -219,23 +222,30 @@ def up(
     for kill in kills:
         _check_kill(kill, n_stages, steps)
     try:  # the run the bootstrap will publish: fail here, before any process starts
-        RunSpec.for_preset(
+        spec = RunSpec.for_preset(
             preset,
             run_id=run_id,
             stages=n_stages,
             total_steps=steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
             seed=seed,
+            checkfree_plus=checkfree_plus,
+            edge_copies=edge_copies,
             skip_ratio=skip_ratio,
             planner=planner,
         )
     except RunSpecError as error:
         raise click.UsageError(str(error)) from None
+    _memory_or_fail(spec, replicas, data_nodes, standbys, device)
     config = SwarmConfig(
         preset=preset,
         stages=n_stages,
         replicas=replicas,
         data_nodes=data_nodes,
         steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
         fail_rate=fail_rate,
         kills=kills,
         checkfree_plus=checkfree_plus,
@@ -263,6 +273,33 @@ def up(
         sys.exit(128 + (result.signum or signal.SIGINT))
     if result.outcome is not RunOutcome.COMPLETED:
         sys.exit(1)
+
+
+def _memory_or_fail(spec: RunSpec, replicas: int, data_nodes: int, standbys: int, device: str) -> None:
+    """A swarm computing on the CPU that this machine's memory cannot hold is refused before any process
+    starts (`launcher.footprint`): one line, with the largest `--batch-size` that fits."""
+    from swarmnode.launcher.footprint import GIB, available_bytes, swarm_footprint
+    from swarmnode.precision import resolve_device
+
+    available = available_bytes()
+    if resolve_device(device).type != "cpu" or available is None:
+        return
+    footprint = swarm_footprint(spec, replicas, data_nodes, standbys)
+    if footprint.total_bytes <= available:
+        return
+    fit = footprint.largest_batch(available)
+    remedy = (
+        f"use --batch-size {fit} or less"
+        if fit >= 1
+        else "use a smaller --preset or --seq-len, or fewer --replicas and --data-nodes"
+    )
+    raise click.UsageError(
+        f"this swarm needs about {footprint.total_bytes / GIB:.1f} GiB of memory and this machine has "
+        f"{available / GIB:.1f} GiB available: its {footprint.nodes} nodes compute on the CPU, and a stage "
+        f"node holds the activations of up to {footprint.in_flight} microbatches of "
+        f"{spec.batch_size} x {spec.seq_len} tokens at once, {footprint.microbatch_bytes / GIB:.2f} GiB "
+        f"each; {remedy}"
+    )
 
 
 def _daemon_log_level() -> str | None:

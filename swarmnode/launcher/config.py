@@ -33,6 +33,8 @@ class SwarmConfig:
     replicas: int = 2
     data_nodes: int = 2
     steps: int = 100
+    batch_size: int | None = None  # sequences per microbatch (`bootstrap --batch-size`; None: the preset's)
+    seq_len: int | None = None  # tokens per sequence (`bootstrap --seq-len`; None: the preset's)
     fail_rate: float = 0.0
     kills: tuple[StageKill, ...] = ()
     checkfree_plus: bool = True
@@ -104,6 +106,8 @@ class SwarmConfig:
             "--edge-swaps" if self.edge_swaps else "--no-edge-swaps", "--dtype", self.dtype,
             "--skip-ratio", str(self.skip_ratio), "--planner", self.planner,
             "--min-data-nodes", str(self.data_nodes), "--min-replicas", str(self.replicas),
+            *(["--batch-size", str(self.batch_size)] if self.batch_size is not None else []),
+            *(["--seq-len", str(self.seq_len)] if self.seq_len is not None else []),
             *self._log_options(),
         ]  # fmt: skip
 
@@ -162,6 +166,8 @@ class SwarmConfig:
             "replicas": self.replicas,
             "data_nodes": self.data_nodes,
             "steps": self.steps,
+            "batch_size": self.batch_size,  # None: the preset's
+            "seq_len": self.seq_len,
             "fail_rate": self.fail_rate,
             "fail_rate_unit": FAIL_RATE_UNIT,
             "kills": [str(kill) for kill in self.kills],
