@@ -8,12 +8,16 @@ For each case (a model and a microbatch size) and each number M of microbatches 
 2. a swarm of separate processes on loopback trains the same model and batch: a bootstrap peer, one data
    node and one replica per transformer stage, each daemon with 1 torch thread (tests/swarm_harness.py).
 
-Swarm tokens/s is wall-clock: the tokens of the steady iterations (the first ones are skipped: warm-up)
-over the time between their step events. Efficiency = swarm tokens/s / single-process tokens/s (the first
-of `--baseline-threads`). The machine is shared and its speed drifts by 10-20% within minutes, so the single
-process is measured before and after the swarm, and the ratio is against the mean of the two; `--rounds N`
-repeats single process and swarm N times in turn (N + 1 single-process runs, each swarm between two) and
-prints each round's row and the median efficiency.
+Swarm tokens/s is wall-clock: the tokens of the steady iterations over the time between their step events.
+The first `SKIP` iterations are warm-up: the first ones, and the first refresh of the CheckFree+ copies in
+training (`copy_refresh_steps`, 10), in which each stage's heap grows once to hold the copies beside a
+pass's gradients (26,000-56,000 pages faulted in at up to 40 us each, where later refreshes fault
+a few thousand: that iteration took 2.3-5.0 s instead of 1.7 in llama-124m swarms). The step events of every
+iteration are kept in the `--json` rows (`step_times`). Efficiency = swarm tokens/s / single-process
+tokens/s (the first of `--baseline-threads`). The machine is shared and its speed drifts by 10-20% within
+minutes, so the single process is measured before and after the swarm, and the ratio is against the mean
+of the two; `--rounds N` repeats single process and swarm N times in turn (N + 1 single-process runs, each
+swarm between two) and prints each round's row and the median efficiency.
 
 Where the time goes, from what the daemons expose: the data node's step events give seconds per iteration
 (`s/iter`; the time between step events also holds the planning of the next iteration, `plan`), and every
@@ -38,7 +42,7 @@ step over the report's median iteration seconds. The single process's figures ex
     python benchmarks/swarm_efficiency.py --cases llama-124m --microbatches 4 --baseline-threads 2 --rounds 3
     python benchmarks/swarm_efficiency.py --cases none --up-steps 100
 
-Takes three to six minutes on two cores with M = 1 and 4 (each swarm needs 20-40 s to start); M = 8 for
+Takes four to eight minutes on two cores with M = 1 and 4 (each swarm needs 20-40 s to start); M = 8 for
 both cases adds about six more; `--up-steps 100` about two.
 """
 
@@ -73,8 +77,12 @@ from swarmnode import trainer  # noqa: E402
 from swarmnode.data import Corpus, load_corpus  # noqa: E402
 from swarmnode.launcher.config import usable_cpus  # noqa: E402
 from swarmnode.presets import Preset, get_preset  # noqa: E402
+from swarmnode.runspec import RunSpec  # noqa: E402
 
 VOCAB = 4096  # the default stdlib tokenizer; the paper presets' 32,000 would only grow E and E'
+
+
+SKIP = RunSpec().copy_refresh_steps + 2  # warm-up: the first iterations and the first copy refresh (above)
 
 
 @dataclass(frozen=True)
@@ -92,14 +100,12 @@ class Case:
 
 CASES = {
     # 3 stages of 2 layers (dim 128): about 50 ms of compute per stage and microbatch (8 x 128 tokens)
-    "tiny": Case("tiny", "tiny", 3, 8, 128, baseline_steps=12, swarm_steps=14),
+    "tiny": Case("tiny", "tiny", 3, 8, 128, baseline_steps=12, swarm_steps=SKIP + 12),
     # llama-124m's layers (dim 512, ffn 4352), 3 stages of 4 layers, 1 x 128 tokens: 31M parameters per
-    # stage, about 0.2 s of compute (forward and backward) per stage and microbatch on one thread. 14 swarm
-    # iterations: in 8, one iteration of the 6 measured was often 1.5x the rest (each stage's heap grew to
-    # its peak in it, a backward pass faulting 26,000 pages in at 0.4 s of extra CPU)
-    "llama-124m": Case("llama-124m", "llama-124m", 3, 1, 128, baseline_steps=6, swarm_steps=14),
+    # stage, about 0.2 s of compute (forward and backward) per stage and microbatch on one thread. 12
+    # iterations measured after the warm-up: of 6, one was often 1.5x the rest
+    "llama-124m": Case("llama-124m", "llama-124m", 3, 1, 128, baseline_steps=6, swarm_steps=SKIP + 12),
 }
-SKIP = 2
 
 
 def make_preset(case: Case, microbatches: int) -> Preset:
@@ -191,6 +197,7 @@ def swarm_run(case: Case, microbatches: int, folder: Path, node_threads: int = 1
         "busy": busy,
         "lost": sum(e["lost"] for e in steps),
         "load": os.getloadavg()[0],  # the machine is shared: how busy it was
+        "step_times": [round(e["time"], 3) for e in steps],
         "paths": sorted({tuple(p) for e in steady for p in e["paths"]}),
     }
 
