@@ -2,7 +2,7 @@
 
 A paper-sized preset can ask a CPU machine for far more than it has: `up --preset llama-124m` trains
 microbatches of 64 x 512 tokens, and a stage node keeps the activations of every microbatch in flight until
-its backward pass (4.1 GiB a microbatch for a stage of three llama-124m layers), so a stage process grew
+its backward pass (8.3 GiB a microbatch for a stage of three llama-124m layers), so a stage process grew
 past 20 GB, the kernel killed it, and the swarm had stalled at step 0. `up` now estimates the swarm first
 and refuses, in one line, a swarm the machine cannot hold, naming the largest `--batch-size` that fits.
 
@@ -128,7 +128,7 @@ def _row_bytes(module: nn.Module, config: ModelConfig, seq_len: int) -> int:
 
         def run(rows: int) -> None:
             targets = torch.randint(0, config.vocab_size, (rows, seq_len))
-            module.loss(torch.randn(rows, seq_len, config.dim), targets)
+            module.loss(torch.randn(rows, seq_len, config.dim, requires_grad=True), targets)
 
     else:
 
