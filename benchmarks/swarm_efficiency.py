@@ -8,16 +8,16 @@ For each case (a model and a microbatch size) and each number M of microbatches 
 2. a swarm of separate processes on loopback trains the same model and batch: a bootstrap peer, one data
    node and one replica per transformer stage, each daemon with 1 torch thread (tests/swarm_harness.py).
 
-Swarm tokens/s is wall-clock: the tokens of the steady iterations over the time between their step events.
-The first `SKIP` iterations are warm-up: the first ones, and the first refresh of the CheckFree+ copies in
-training (`copy_refresh_steps`, 10), in which each stage's heap grows once to hold the copies beside a
-pass's gradients (26,000-56,000 pages faulted in at up to 40 us each, where later refreshes fault
-a few thousand: that iteration took 2.3-5.0 s instead of 1.7 in llama-124m swarms). The step events of every
-iteration are kept in the `--json` rows (`step_times`). Efficiency = swarm tokens/s / single-process
-tokens/s (the first of `--baseline-threads`). The machine is shared and its speed drifts by 10-20% within
-minutes, so the single process is measured before and after the swarm, and the ratio is against the mean
-of the two; `--rounds N` repeats single process and swarm N times in turn (N + 1 single-process runs, each
-swarm between two) and prints each round's row and the median efficiency.
+Swarm tokens/s is wall-clock: the tokens of the steady iterations over the time between their step events. The
+first `SKIP` iterations are warm-up: the first ones, and the first refresh of the CheckFree+ copies in
+training (`copy_refresh_steps`, 10), in which each stage's heap grows once to hold the copies beside a pass's
+gradients (26,000-56,000 pages faulted in at up to 40 us each, where later refreshes fault a few thousand:
+that iteration took 1.8-5.0 s, 2.6 in the mean of 8 runs, where the others took 1.7). The step events of every
+iteration are kept in the `--json` rows (`step_times`). Efficiency = swarm tokens/s / single-process tokens/s
+(the first of `--baseline-threads`). The machine is shared and its speed drifts by 10-20% within minutes, so
+the single process is measured before and after the swarm, and the ratio is against the mean of the two;
+`--rounds N` repeats single process and swarm N times in turn (N + 1 single-process runs, each swarm between
+two) and prints each round's row and the median efficiency.
 
 Where the time goes, from what the daemons expose: the data node's step events give seconds per iteration
 (`s/iter`; the time between step events also holds the planning of the next iteration, `plan`), and every
