@@ -24,7 +24,7 @@ is a sequence's share. The rest is linear in the batch size, which `largest_batc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -118,8 +118,8 @@ def _piece_bytes(config: ModelConfig, stage: int, n_stages: int) -> int:
     return sum(_bytes(module.parameters()) for module in modules)
 
 
-def _bytes(tensors: object) -> int:
-    return sum(t.numel() * FLOAT32 for t in tensors)  # type: ignore[attr-defined]
+def _bytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * FLOAT32 for t in tensors)
 
 
 def _row_bytes(module: nn.Module, config: ModelConfig, seq_len: int) -> int:
