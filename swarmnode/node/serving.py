@@ -197,8 +197,7 @@ class StateServer:
             return state.optimizer_state(node.piece, node.optimizer, node.outer.phi, node.outer.delta)
         places = copy_places(part, node.spec.stages)
         if places is not None and places[0] == node.stage:  # this node's own E, E' or edge-stage weights
-            weights = state.weights(node.piece)
-            return state.split_piece_copy(weights, part) if node.stage == 0 else weights
+            return state.piece_copy(node.piece, part) if node.stage == 0 else state.weights(node.piece)
         if part in node.copies:
             return node.copies[part]  # replaced, never changed, by each refresh
         raise Rejected(ErrorCode.BUSY, f"this node holds no {part}")

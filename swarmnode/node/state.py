@@ -60,8 +60,20 @@ def optimizer_state(
 
 def split_piece_copy(piece_weights: TensorMap, part: StatePart) -> TensorMap:
     """A data node's E (`embedding_copy`) or E' (`head_copy`) out of its piece's weights, prefix removed."""
-    prefix = EMBEDDING_PREFIX if part == StatePart.EMBEDDING_COPY else HEAD_PREFIX
+    prefix = _piece_prefix(part)
     return {name.removeprefix(prefix): t for name, t in piece_weights.items() if name.startswith(prefix)}
+
+
+def piece_copy(module: nn.Module, part: StatePart) -> TensorMap:
+    """A copy of a data node's E or E' alone (`split_piece_copy` of `weights(module)`, without copying the
+    other half of the piece: half the bytes of every CheckFree+ refresh a data node serves)."""
+    prefix = _piece_prefix(part)
+    named = module.named_parameters()
+    return {name.removeprefix(prefix): host_copy(p) for name, p in named if name.startswith(prefix)}
+
+
+def _piece_prefix(part: StatePart) -> str:
+    return EMBEDDING_PREFIX if part == StatePart.EMBEDDING_COPY else HEAD_PREFIX
 
 
 def manifest(tensors: TensorMap) -> tuple[TensorSpec, ...]:
