@@ -216,6 +216,19 @@ class StateSnapshot(EventRecord):
 
 
 @dataclass(frozen=True)
+class CopyRefreshed(EventRecord):
+    """A node replaced its CheckFree+ copy `part` with one `donor` sent at the donor's step `step` (a copy
+    refused, or no donor reached, leaves the old one and prints nothing)."""
+
+    KIND: ClassVar[str] = "copy_refreshed"
+    stage: int
+    part: str
+    donor: str
+    step: int
+    time: float
+
+
+@dataclass(frozen=True)
 class Moving(EventRecord):
     """A spare replica leaves `from_stage` to rebuild `to_stage`, which lost its last node."""
 
@@ -299,6 +312,7 @@ KINDS: dict[str, type[EventRecord]] = {
         Recovered,
         RequestRejected,
         StateSnapshot,
+        CopyRefreshed,
         Moving,
         Finished,
         OuterStep,

@@ -148,13 +148,15 @@ def averager_main(argv: Sequence[str]) -> int:
 
 
 def donor_main(argv: Sequence[str]) -> int:
-    """`python swarm_clients.py donor PEERS_FILE RUN_ID STAGE STAGES STOP_FILE`
+    """`python swarm_clients.py donor PEERS_FILE RUN_ID STAGE STAGES STOP_FILE [copy]`
 
     A hostile donor of STAGE (of a tiny run of STAGES transformer stages): it publishes an `online` record
     for STAGE, answers `ping` with a Pong of STAGE, and every `state` request with the stage's initial
     weights and a poisoned optimizer state, the next of POISONS each time: Adam's exp_avg of `1e30`, a
-    step of `2**63 - 1`, an lr factor of 10. Prints {"event": "ready", "peer_id"}, {"served": POISON,
-    "to": PEER} per state answer, and once STOP_FILE exists, {"event": "done"}.
+    step of `2**63 - 1`, an lr factor of 10. With `copy`, every answer is the stage's weights with a NaN in
+    the first (what a CheckFree+ holder of the stage's edge copy refreshes from), served as `nan_weights`.
+    Prints {"event": "ready", "peer_id"}, {"served": POISON, "to": PEER, "parts": [...]} per state answer,
+    and once STOP_FILE exists, {"event": "done"}.
     """
     import asyncio
     import itertools
@@ -171,13 +173,16 @@ def donor_main(argv: Sequence[str]) -> int:
     from swarmnode.presets import get_preset
     from swarmnode.transport import Transport
 
-    peers_file, run_id, stage_text, stages_text, stop_file = argv
+    peers_file, run_id, stage_text, stages_text, stop_file, *mode = argv
     stage, stop = int(stage_text), Path(stop_file)
     honest = weights(build_piece(get_preset("tiny").model, stage, int(stages_text)))
-    poisons = itertools.cycle(POISONS)
+    poisons = itertools.cycle(("nan_weights",) if mode == ["copy"] else POISONS)
 
     def poisoned(poison: str) -> dict[str, torch.Tensor]:
         out = dict(honest)
+        if poison == "nan_weights":
+            first = next(iter(honest))
+            return {**out, first: torch.full_like(honest[first], float("nan"))}
         for name, tensor in honest.items():
             big = 1e30 if poison == "exp_avg" else 0.0
             out[f"adam.{name}.step"] = torch.tensor(1.0)
@@ -198,7 +203,7 @@ def donor_main(argv: Sequence[str]) -> int:
         step = 2**63 - 1 if poison == "clock" else 1
         lr_factor = 10.0 if poison == "lr_factor" else 1.0
         header = StateTransfer(run_id, stage, request.parts, step, 0, 0.5, manifest(out), lr_factor)
-        _say(served=poison, to=str(peer))
+        _say(served=poison, to=str(peer), parts=[str(part) for part in request.parts])
         return encode(header), list(out.values())
 
     async def serve(p2p, dht) -> None:  # type: ignore[no-untyped-def]

@@ -3,8 +3,9 @@
 A bootstrap and one stage node (no data node, so nothing trains and the node's state stays put), and
 clients from state_clients.py acting as a stranger, a joining node and a poisoning averaging partner. Then a
 training swarm (bootstrap, data node, one stage) whose stage node leaves while a hostile donor claims its
-stage, and a real joiner of that stage. Every test ends every process group it started (the `swarm` fixture
-checks that nothing is left).
+stage, and a real joiner of that stage; and a training swarm of two stages where a hostile node claims
+stage 1 beside the honest one and serves stage 2 a poisoned CheckFree+ copy of stage 1. Every test ends
+every process group it started (the `swarm` fixture checks that nothing is left).
 
 The bounds themselves are tested at the unit level (tests/test_node_pieces.py on the loading function,
 tests/protocols/test_bounds.py on the checks).
@@ -132,4 +133,46 @@ def test_a_joiner_refuses_a_poisoned_donor_and_training_goes_on(swarm: LocalTest
     stop.touch()
     assert donor.wait_exit(60) == 0, donor.stderr_tail()
     for node in (data, joiner):
+        node.check_alive()
+
+
+@pytest.mark.timeout(300)
+def test_a_copy_holder_refuses_a_poisoned_copy_and_keeps_refreshing_from_honest_donors(
+    swarm: LocalTestSwarm,
+) -> None:
+    swarm.bootstrap(steps=STEPS, stages=2)
+    honest, last = swarm.join(1), swarm.join(2)
+    donor_of_copy = swarm.wait_online(honest)[0]["peer_id"]
+    swarm.wait_online(last)
+    data = swarm.join(0)
+    swarm.wait_online(data)
+    poll(lambda: _step(data) >= 3, 120, "the data node's first steps", alive=data.check_alive)
+    # a hostile node claims stage 1 beside the honest one: stage 2, which keeps stage 1's edge copy, asks
+    # the two in random order at each refresh (every 10 steps) until one sends a copy it accepts
+    stop = swarm.folder / "stop-donor"
+    donor = swarm.client("donor", 1, 2, stop, "copy")
+    attacker = donor.wait_event("ready", 60)["peer_id"]
+
+    def asked() -> bool:
+        return any(e.get("parts") == ["first_stage_copy"] for e in donor.events() if "served" in e)
+
+    poll(asked, 180, "stage 2 to ask the hostile donor for its copy", alive=last.check_alive)
+    trained = _step(data)
+
+    # the copy was refused, for what it was, with the donor named in the log...
+    def refused() -> list[str]:
+        log = last.err_path.read_text()
+        return [line for line in log.splitlines() if f"state fetch from {attacker[-8:]} failed" in line]
+
+    poll(lambda: bool(refused()), 30, "stage 2 to refuse the copy", alive=last.check_alive)
+    assert all("not a finite floating-point tensor" in line for line in refused()), refused()
+    # ...no refresh ever took the hostile copy, and refreshes went on from the honest node
+    poll(lambda: _step(data) >= trained + 12, 120, "training to go on", alive=data.check_alive)
+    refreshes = [e for e in last.events("copy_refreshed") if e["part"] == "first_stage_copy"]
+    assert refreshes and {e["donor"] for e in refreshes} == {donor_of_copy}, refreshes
+    assert refreshes[-1]["step"] > trained, refreshes  # one made after the refusal: refreshing goes on
+    assert all(math.isfinite(e["loss"]) for e in data.events("step")), data.events("step")[-3:]
+    stop.touch()
+    assert donor.wait_exit(60) == 0, donor.stderr_tail()
+    for node in (data, honest, last):
         node.check_alive()

@@ -327,11 +327,13 @@ class Node(ABC):
             # a copy of another layout, or not finite, is refused (the next donor is asked; the old copy kept)
             check = state.layout_check(copy_layout(self.model_config, part, self.spec.stages), str(part))
             try:
-                _, self.copies[part] = await recovery.fetch_any(
+                donor, header, self.copies[part] = await recovery.fetch_from_any(
                     self, copy_source(part, self.spec.stages), (part,), check
                 )
             except recovery.RecoveryFailed as error:
                 logger.info("copy refresh failed: %s", error)
+            else:
+                emit("copy_refreshed", stage=self.stage, part=str(part), donor=donor, step=header.step)
 
     async def _on_average(
         self, peer: str, request: AveragingRequest, tensors: list[Tensor]

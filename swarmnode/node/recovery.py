@@ -146,10 +146,22 @@ async def fetch_any(
     check: Callable[[StateTransfer, state.TensorMap], object] | None = None,
     among: Collection[str] | None = None,
 ) -> tuple[StateTransfer, state.TensorMap]:
-    """State from one live node of `stage` (one of `among`, if given), trying donors in random order
-    (spreads newcomers over donors); `check` may refuse what a donor sent (raising StateMismatch or
-    ProtocolError), and the next is tried. While some donor is busy, all are asked again after
-    `BUSY_RETRY_S`, for up to `BUSY_WAIT_S`."""
+    """State from one live node of `stage` (`fetch_from_any`, without naming the donor)."""
+    _, header, tensors = await fetch_from_any(node, stage, parts, check, among)
+    return header, tensors
+
+
+async def fetch_from_any(
+    node: Joiner,
+    stage: int,
+    parts: tuple[StatePart, ...],
+    check: Callable[[StateTransfer, state.TensorMap], object] | None = None,
+    among: Collection[str] | None = None,
+) -> tuple[str, StateTransfer, state.TensorMap]:
+    """The donor, and the state it sent, from one live node of `stage` (one of `among`, if given), trying
+    donors in random order (spreads newcomers over donors); `check` may refuse what a donor sent (raising
+    StateMismatch or ProtocolError), and the next is tried. While some donor is busy, all are asked again
+    after `BUSY_RETRY_S`, for up to `BUSY_WAIT_S`."""
     peers = live_peers if stage == node.stage else trained_peers
     donors = await peers(node.transport, node.swarm_read, node.me, stage)
     if among is not None:
@@ -163,7 +175,7 @@ async def fetch_any(
                 header, tensors = await fetch(node, donor, stage, parts)
                 if check is not None:
                     check(header, tensors)
-                return header, tensors
+                return donor, header, tensors
             except DonorBusy as error:
                 busy = True
                 logger.info("state fetch from %s: %s", donor[-8:], error)
