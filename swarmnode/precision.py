@@ -10,6 +10,7 @@ scales and unscales its own, so the gradients that travel between nodes are at t
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -145,6 +146,17 @@ def wire_dtypes(run_dtype: str) -> tuple[torch.dtype, torch.dtype]:
     float16 run sends gradients as float32 (unscaled gradients are often below float16's range)."""
     activations = parse_dtype(run_dtype)
     return activations, (torch.float32 if activations == torch.float16 else activations)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of `tensor` is finite (an empty tensor's are; integers always are), from its least
+    and greatest value: one pass that allocates nothing the tensor's size, where `isfinite(t).all()` builds
+    a mask as large as it (a llama-124m stage's 31M parameters on one thread: 15 ms of CPU against 100 ms,
+    `benchmarks/finite_check.py`)."""
+    if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
+        return True
+    least, greatest = torch.aminmax(tensor)  # NaN anywhere makes both NaN; complex tensors are refused
+    return math.isfinite(least.item()) and math.isfinite(greatest.item())
 
 
 class Overflow(ArithmeticError):

@@ -15,11 +15,13 @@ from hivemind.p2p import P2P, PeerID
 from torch import Tensor, nn
 from transport_harness import new_p2p
 
-from protocols.messages import AveragingRequest, Pong, Rpc, decode, encode
+from protocols.messages import AveragingRequest, ErrorCode, Pong, Rpc, decode, encode
 from protocols.noloco import OuterConfig, find_partner, pairing_seed
 from swarmnode.node.averaging import APPLY_LAG, OuterLoop
+from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.liveness import answering
+from swarmnode.node.state import manifest
 from swarmnode.transport import Transport
 
 INNER_STEPS = 4
@@ -190,3 +192,26 @@ async def _gone_replica_scenario() -> None:
 
 def test_a_round_is_matched_among_the_replicas_that_answer() -> None:
     uvloop.run(asyncio.wait_for(_gone_replica_scenario(), 60))
+
+
+async def _non_finite_scenario() -> None:
+    async with two_replicas() as (a, b):
+        before = [p.detach().clone() for p in b.module.parameters()]
+        names = list(a.phi)
+        for poison in (float("nan"), float("inf")):
+            theta = {n: a.phi[n].clone() for n in names}
+            theta[names[-1]].view(-1)[-1] = poison  # one value, in the last tensor sent
+            request = AveragingRequest(RUN, 1, 1, manifest(a.phi), manifest(theta))
+            tensors = [a.phi[n] for n in names] + [theta[n] for n in names]
+            try:
+                await b.serve(a.me, request, tensors)
+            except Rejected as refused:
+                assert refused.code == ErrorCode.MALFORMED and "not all finite" in str(refused), refused
+            else:
+                raise AssertionError(f"a {poison} in the tensors was served")
+        after = list(b.module.parameters())
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+
+
+def test_averaging_tensors_with_a_non_finite_value_are_refused_as_malformed() -> None:
+    uvloop.run(asyncio.wait_for(_non_finite_scenario(), 60))

@@ -21,6 +21,7 @@ from swarmnode.precision import (
     Overflow,
     Precision,
     PrecisionError,
+    all_finite,
     parse_dtype,
     resolve_device,
     wire_dtypes,
@@ -233,3 +234,17 @@ def test_bad_device_or_dtype_is_a_one_line_usage_error(command: str, args: list[
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and words in errors[0], result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_finds_any_nan_or_infinity_anywhere(dtype: torch.dtype) -> None:
+    for size in (1, 7, 16, 33, 1000, 65_537):
+        clean = torch.randn(size).to(dtype)
+        assert all_finite(clean) and all_finite(clean.view(1, -1)[:, ::2])
+        for where in {0, size // 2, size - 1}:
+            for bad in (math.nan, math.inf, -math.inf):
+                poisoned = clean.clone()
+                poisoned[where] = bad
+                assert not all_finite(poisoned), (size, where, bad)
+    assert all_finite(torch.empty(0, dtype=dtype))
+    assert all_finite(torch.tensor([3, -1])) and all_finite(torch.tensor([True]))  # integers are finite

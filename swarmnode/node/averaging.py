@@ -39,6 +39,7 @@ from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
 from swarmnode.node.state import TensorMap, manifest, weights
+from swarmnode.precision import all_finite
 from swarmnode.transport import Transport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -225,14 +226,15 @@ class OuterLoop:
         if (
             [(s.name, s.shape) for s in request.phi] != expected
             or [tuple(t.shape) for t in tensors] != shapes
-            or not all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in tensors)
+            or any(t.dtype != torch.float32 for t in tensors)
         ):
             raise Rejected(ErrorCode.MALFORMED, "averaging tensors do not match this stage's parameters")
+        loop = asyncio.get_running_loop()  # twice a stage's parameters: read off the event loop
+        if not await loop.run_in_executor(None, lambda: all(all_finite(t) for t in tensors)):
+            raise Rejected(ErrorCode.MALFORMED, "averaging tensors are not all finite")
         phi, theta = _split(request.phi, tensors)
         own = self.phi
-        far = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: drift_problem(own, (("phi", phi), ("theta", theta)))
-        )
+        far = await loop.run_in_executor(None, lambda: drift_problem(own, (("phi", phi), ("theta", theta))))
         if far is not None:
             logger.warning("declined averaging tensors from %s: %s", peer[-8:], far)
             emit("rejected", peer_id=peer, code="out_of_bounds", reason=far)

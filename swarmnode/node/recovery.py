@@ -159,9 +159,9 @@ async def fetch_from_any(
     among: Collection[str] | None = None,
 ) -> tuple[str, StateTransfer, state.TensorMap]:
     """The donor, and the state it sent, from one live node of `stage` (one of `among`, if given), trying
-    donors in random order (spreads newcomers over donors); `check` may refuse what a donor sent (raising
-    StateMismatch or ProtocolError), and the next is tried. While some donor is busy, all are asked again
-    after `BUSY_RETRY_S`, for up to `BUSY_WAIT_S`."""
+    donors in random order (spreads newcomers over donors); `check` (run in a worker thread) may refuse
+    what a donor sent (raising StateMismatch or ProtocolError), and the next is tried. While some donor is
+    busy, all are asked again after `BUSY_RETRY_S`, for up to `BUSY_WAIT_S`."""
     peers = live_peers if stage == node.stage else trained_peers
     donors = await peers(node.transport, node.swarm_read, node.me, stage)
     if among is not None:
@@ -173,8 +173,8 @@ async def fetch_from_any(
         for donor in donors:
             try:
                 header, tensors = await fetch(node, donor, stage, parts)
-                if check is not None:
-                    check(header, tensors)
+                if check is not None:  # a pass over all it sent: off the event loop, which relays hops
+                    await asyncio.to_thread(check, header, tensors)
                 return donor, header, tensors
             except DonorBusy as error:
                 busy = True

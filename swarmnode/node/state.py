@@ -21,6 +21,7 @@ from protocols.manifest import TensorSpec
 from protocols.transfers import StatePart
 from swarmnode.adam import STATE_FIELDS as ADAM_FIELDS
 from swarmnode.optim import StageOptimizer
+from swarmnode.precision import all_finite
 
 TensorMap = dict[str, Tensor]  # the runtime's one name -> torch tensor map (protocols': `ArrayMap`)
 
@@ -115,9 +116,9 @@ def check_tensor(shape: tuple[int, ...], tensor: Tensor, what: str, nonnegative:
     """Raise StateMismatch unless `tensor` has `shape` and finite floating-point values (>= 0 if asked)."""
     if tuple(tensor.shape) != shape:
         raise StateMismatch(f"{what} has shape {tuple(tensor.shape)}, expected {shape}")
-    if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+    if not tensor.is_floating_point() or not all_finite(tensor):
         raise StateMismatch(f"{what} is not a finite floating-point tensor")
-    if nonnegative and bool((tensor < 0).any()):
+    if nonnegative and tensor.numel() and float(tensor.min()) < 0:
         raise StateMismatch(f"{what} has negative values")
 
 

@@ -28,7 +28,7 @@ from protocols.stepbook import Group, MicrobatchKey
 from swarmnode.node.gradient_sums import IndexOrderedSum, OrderFreeSum
 from swarmnode.optim import StageOptimizer
 from swarmnode.pieces import DataPiece
-from swarmnode.precision import Overflow, Precision
+from swarmnode.precision import Overflow, Precision, all_finite
 
 
 class MissingActivations(KeyError):
@@ -58,7 +58,7 @@ def _activations_to_wire(outputs: Tensor, dtype: torch.dtype, what: object) -> T
     """`outputs` as they travel; Overflow if they do not fit float16's range (a receiver rejects non-finite
     values as hostile and bans their sender, so an honest overflow must stop here)."""
     wired = _to_wire(outputs, dtype)
-    if dtype == torch.float16 and not bool(torch.isfinite(wired).all()):
+    if dtype == torch.float16 and not all_finite(wired):
         raise Overflow(f"the activations of {what} exceed float16's range on the wire")
     return wired
 
@@ -68,7 +68,7 @@ def _unscaled_gradient(inputs: Tensor, scale: float, key: object) -> Tensor:
     if inputs.grad is None:
         raise RuntimeError(f"no input gradient for microbatch {key}")
     grad = inputs.grad / scale if scale != 1.0 else inputs.grad
-    if not bool(torch.isfinite(grad).all()):
+    if not all_finite(grad):
         raise Overflow(f"the gradient of microbatch {key} overflowed at loss scale {scale:g}")
     return grad
 
@@ -265,6 +265,6 @@ def check_activations(tensor: Tensor, batch_limit: int, seq_len: int, dim: int) 
     batch, seq, width = tensor.shape
     if not (1 <= batch <= batch_limit and 1 <= seq <= seq_len and width == dim):
         return f"shape {tuple(tensor.shape)} exceeds (<= {batch_limit}, <= {seq_len}, {dim})"
-    if not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         return "non-finite values"
     return None
