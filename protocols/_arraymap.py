@@ -1,12 +1,13 @@
 """Checks and arithmetic over array maps: mappings name -> array-like.
 
-An array-like is anything with `.shape`, `.sum()` and `+ - *` with scalars and with its own kind: torch
-tensors and numpy arrays both qualify, so this module needs neither. Results are new objects; inputs are
-never modified in place.
+An array-like is anything with `.shape`, `.sum()`, `.min()`, `.max()` and `+ - *` with scalars and with its
+own kind: torch tensors and numpy arrays both qualify, so this module needs neither. Results are new objects;
+inputs are never modified in place.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,10 +46,11 @@ def check_same_layout(reference: ArrayMap, others: Sequence[tuple[str, ArrayMap]
 
 
 def first_non_finite(tensors: ArrayMap) -> str | None:
-    """The name of the first tensor holding a NaN or an infinity, or None if all are finite."""
+    """The name of the first array holding a NaN or an infinity, or None if all are finite: by its least and
+    greatest values (a NaN makes both NaN), passes that allocate nothing the array's size."""
     for name, value in tensors.items():
-        # x * 0 is 0 for finite x and NaN for NaN and +-inf: the sum is 0 exactly when all are finite.
-        if float((value * 0).sum()) != 0.0:
+        ends = (value.min(), value.max()) if math.prod(shape_of(value)) else ()
+        if not all(math.isfinite(float(end)) for end in ends):
             return name
     return None
 

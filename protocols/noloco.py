@@ -192,6 +192,20 @@ class Outcome:
     partner_thetas: tuple[ArrayMap, ...] = ()
 
 
+def exchange_problem(sender: str, phi: ArrayMap, theta: ArrayMap, own_phi: ArrayMap) -> str | None:
+    """Why a partner's phi and theta cannot be averaged with `own_phi`, in words, or None if they can: they
+    must be complete (`own_phi`'s names and shapes), finite and within `bounds.MAX_DRIFT` of `own_phi`."""
+    for label, tensors in (("phi", phi), ("theta", theta)):
+        problem = layout_mismatch(own_phi, tensors)
+        if problem is not None:
+            return f"partial or mismatched exchange with {sender} ({label}: {problem})"
+        bad = first_non_finite(tensors)
+        if bad is not None:
+            return f"non-finite {label} {bad!r} from {sender}"
+    far = drift_problem(own_phi, (("phi", phi), ("theta", theta)))
+    return None if far is None else f"out-of-bounds exchange with {sender}: {far}"
+
+
 class PairingRound:
     """One replica's side of the pairing for one outer step, like h11's Connection: events in, no I/O.
 
@@ -257,20 +271,17 @@ class PairingRound:
 
         Late deliveries after the round ended are ignored (the old outcome is returned).
         """
+        return self.deliver_checked(sender, phi, theta, exchange_problem(sender, phi, theta, own_phi))
+
+    def deliver_checked(self, sender: str, phi: ArrayMap, theta: ArrayMap, problem: str | None) -> Outcome:
+        """`deliver`, with `exchange_problem`'s verdict on the tensors already found (by a caller that ran it
+        off its event loop: it reads every value twice): None pairs, a problem ends the round alone."""
         if self.outcome is not None:
             return self.outcome
         if sender != self.partner:
             raise LocalProtocolError(f"deliver from {sender}, but the partner is {self.partner}")
-        for label, tensors in (("phi", phi), ("theta", theta)):
-            problem = layout_mismatch(own_phi, tensors)
-            if problem is not None:
-                return self._alone(f"partial or mismatched exchange with {sender} ({label}: {problem})")
-            bad = first_non_finite(tensors)
-            if bad is not None:
-                return self._alone(f"non-finite {label} {bad!r} from {sender}")
-        far = drift_problem(own_phi, (("phi", phi), ("theta", theta)))
-        if far is not None:
-            return self._alone(f"out-of-bounds exchange with {sender}: {far}")
+        if problem is not None:
+            return self._alone(problem)
         self.outcome = Outcome(Phase.PAIRED, sender, f"paired with {sender}", (phi,), (theta,))
         return self.outcome
 

@@ -34,7 +34,15 @@ from protocols.messages import (
     decode,
     encode,
 )
-from protocols.noloco import OuterConfig, OuterResult, PairingRound, Phase, noloco_outer_step, pairing_seed
+from protocols.noloco import (
+    OuterConfig,
+    OuterResult,
+    PairingRound,
+    Phase,
+    exchange_problem,
+    noloco_outer_step,
+    pairing_seed,
+)
 from swarmnode.node.checks import Rejected
 from swarmnode.node.compute import ComputeQueue, Priority
 from swarmnode.node.events import emit
@@ -205,7 +213,10 @@ class OuterLoop:
                 return
             if reply.accept:
                 phi, theta = _split(reply.phi, received)
-                rnd.deliver(rnd.partner, phi, theta, self.phi)
+                # twice a stage's parameters, read off the event loop
+                args = (rnd.partner, phi, theta, self.phi)
+                problem = await asyncio.get_running_loop().run_in_executor(None, exchange_problem, *args)
+                rnd.deliver_checked(rnd.partner, phi, theta, problem)
             elif reply.decline is Decline.NOT_REACHED:
                 await asyncio.sleep(min(0.25, max(0.0, rnd.deadline - clock())))
             else:
@@ -247,7 +258,8 @@ class OuterLoop:
     def on_request(
         self, peer: str, request: AveragingRequest, tensors: list[Tensor]
     ) -> tuple[AveragingReply, list[Tensor]]:
-        """The responder's side: accept the partner's request for the current outer step, if it is ours."""
+        """The responder's side: accept the partner's request for the current outer step, if it is ours
+        (its tensors checked by `serve`: this stage's names and shapes, finite, within the drift bound)."""
         rnd = self._round
         if rnd is None:
             declined: tuple[Decline, str] | None = (Decline.NOT_REACHED, "no outer step running")
@@ -261,7 +273,7 @@ class OuterLoop:
                 self.run_id, self.stage, request.outer_step, False, bounded(reason), decline=decline
             ), []
         phi, theta = _split(request.phi, tensors)
-        rnd.deliver(peer, phi, theta, self.phi)
+        rnd.deliver_checked(peer, phi, theta, None)
         self._delivered.set()
         names = list(self.phi)
         return AveragingReply(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from protocols._arraymap import first_non_finite
 from protocols.errors import LocalProtocolError
 from protocols.messages import Decline
 from protocols.noloco import (
@@ -15,6 +16,7 @@ from protocols.noloco import (
     PairingRound,
     Phase,
     diloco_outer_step,
+    exchange_problem,
     find_partner,
     match_replicas,
     noloco_outer_step,
@@ -253,6 +255,30 @@ def test_incomplete_or_bad_exchange_is_never_mixed(phi: dict, theta: dict, words
     outcome = a.deliver("b", phi, theta, own_phi=state(0.0))
     assert outcome.phase is Phase.ALONE and words in outcome.reason
     assert outcome.partner_phis == ()
+
+
+@pytest.mark.parametrize("array", [torch.tensor, np.array])
+def test_a_non_finite_value_anywhere_is_found(array) -> None:  # type: ignore[no-untyped-def]
+    for size in (1, 2, 17, 1000):
+        for where in {0, size // 2, size - 1}:
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                values = [0.5] * size
+                values[where] = bad
+                assert first_non_finite({"ok": array([1.0, 2.0]), "bad": array(values)}) == "bad"
+    assert first_non_finite({"w": array([[1.0, -3.0]]), "empty": array([])}) is None
+
+
+def test_a_checked_delivery_follows_the_verdict_it_is_given() -> None:
+    phi, theta = state(1.0), state(1.0)
+    verdict = exchange_problem("b", phi, {**theta, "b": torch.tensor([1.0, float("nan")])}, state(1.0))
+    assert verdict is not None and "non-finite theta 'b'" in verdict
+    alone = make_round("a").deliver_checked("b", phi, theta, verdict)
+    assert alone.phase is Phase.ALONE and alone.reason == verdict and alone.partner_phis == ()
+    assert exchange_problem("b", phi, theta, state(1.0)) is None
+    paired = make_round("a").deliver_checked("b", phi, theta, None)
+    assert paired.phase is Phase.PAIRED and paired.partner_phis == (phi,)
+    with pytest.raises(LocalProtocolError):
+        make_round("a").deliver_checked("c", phi, theta, None)  # not this round's partner
 
 
 def test_round_rejects_bad_timeout() -> None:
