@@ -151,8 +151,8 @@ def wire_dtypes(run_dtype: str) -> tuple[torch.dtype, torch.dtype]:
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every value of `tensor` is finite (an empty tensor's are; integers always are), from its least
     and greatest value: one pass that allocates nothing the tensor's size, where `isfinite(t).all()` builds
-    a mask as large as it (a llama-124m stage's 31M parameters on one thread: 15 ms of CPU against 100 ms,
-    `benchmarks/finite_check.py`)."""
+    a mask as large as it (a llama-124m stage's 31M parameters on one idle thread: 15 ms of CPU against
+    111 ms, `benchmarks/finite_check.py`)."""
     if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
         return True
     least, greatest = torch.aminmax(tensor)  # NaN anywhere makes both NaN; complex tensors are refused
