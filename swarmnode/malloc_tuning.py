@@ -13,6 +13,12 @@ time a pass, 1.2-1.4x the CPU time of a pass without them (a live llama-124m swa
 starts a thread (a thread that allocated before has its own arena already). An operator's own malloc
 settings (`GLIBC_TUNABLES` with `glibc.malloc.*`, or any `MALLOC_*` variable) are left alone, as is any
 other C library.
+
+256 MiB is too little once a stage's weights are large: the memory an iteration frees and takes again (its
+gradient sums, the weights' parts of split backward passes, weight snapshots for peers) can pass it, and a
+heap trimmed at each iteration's end faults all of that in again at the next (a llama-124m stage, 124 MB of
+weights: 50,000-80,000 minor faults an iteration in some runs). `keep_freed` raises the threshold to what
+the daemon's piece needs.
 """
 
 from __future__ import annotations
@@ -24,20 +30,39 @@ from collections.abc import Mapping
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 256 << 20))
+TRIM_THRESHOLD = 256 << 20
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+MAX_TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int
 
 
 def tune_malloc(environ: Mapping[str, str] = os.environ) -> bool:
     """Apply `SETTINGS` through glibc's `mallopt`; whether they all took. False, and nothing changed, where
     the operator set malloc's parameters, or the C library is not glibc."""
+    mallopt = _mallopt(environ)
+    return mallopt is not None and all(mallopt(parameter, value) == 1 for parameter, value in SETTINGS)
+
+
+def keep_freed(nbytes: int, environ: Mapping[str, str] = os.environ) -> bool:
+    """Return free memory at the heap's top to the system only beyond `nbytes` (never below
+    `TRIM_THRESHOLD`, at most `MAX_TRIM_THRESHOLD`); whether it took. As `tune_malloc`, nothing where the
+    operator set malloc's parameters or the C library is not glibc. Any time after `tune_malloc`."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must not be negative, got {nbytes}")
+    mallopt = _mallopt(environ)
+    threshold = min(max(nbytes, TRIM_THRESHOLD), MAX_TRIM_THRESHOLD)
+    return mallopt is not None and mallopt(M_TRIM_THRESHOLD, threshold) == 1
+
+
+def _mallopt(environ: Mapping[str, str]):  # type: ignore[no-untyped-def]
+    """glibc's `mallopt`, or None where the operator set malloc's parameters or there is no glibc."""
     set_by_operator = "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
     if set_by_operator or any(name.startswith("MALLOC_") for name in environ):
-        return False
+        return None
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return False
+            return None
         mallopt = ctypes.CDLL(None).mallopt
     except (ValueError, OSError, AttributeError):  # no such name here, no C library handle, no mallopt
-        return False
+        return None
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all(mallopt(parameter, value) == 1 for parameter, value in SETTINGS)
+    return mallopt

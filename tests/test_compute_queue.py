@@ -81,3 +81,33 @@ def test_throughput_is_measured_after_the_first_microbatches_and_over_a_window()
     for skip, window in ((0, 4), (4, 0)):
         with pytest.raises(ValueError):
             ThroughputMeter(skip=skip, window=window)
+
+
+def test_a_posted_job_runs_after_forward_passes_and_before_serving_and_its_error_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The weights' part of a split backward pass waits for the forward passes queued with it (they are
+    on the pipeline's path), but not for a state snapshot; nobody awaits it, so a failure is logged."""
+    ran: list[str] = []
+
+    def fail() -> None:
+        raise RuntimeError("no such group")
+
+    async def main() -> None:
+        queue = ComputeQueue(time.perf_counter)
+        # queued before the worker starts, so the order is the queue's, not the arrival's
+        served = asyncio.ensure_future(queue.submit(Priority.SERVE, lambda: ran.append("serve")))
+        queue.post(Priority.WEIGHTS, lambda: ran.append("weights"))
+        queue.post(Priority.WEIGHTS, fail)
+        forward = asyncio.ensure_future(queue.submit(Priority.FORWARD, lambda: ran.append("forward")))
+        await asyncio.sleep(0)  # both submissions are in the queue
+        queue.start()
+        try:
+            await asyncio.gather(served, forward)
+        finally:
+            await queue.close()
+
+    with caplog.at_level("ERROR", logger="swarmnode.node.compute"):
+        asyncio.run(main())
+    assert ran == ["forward", "weights", "serve"]
+    assert "a compute job failed" in caplog.text and "no such group" in caplog.text

@@ -1,4 +1,5 @@
-"""`malloc_tuning.tune_malloc`: a thread that allocates and frees gradient-sized blocks stops faulting in."""
+"""`malloc_tuning`: a thread that allocates and frees gradient-sized blocks stops faulting in (`tune_malloc`),
+and a heap that frees more than 256 MiB at once keeps it when told to (`keep_freed`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import textwrap
 
 import pytest
 
-from swarmnode.malloc_tuning import tune_malloc
+from swarmnode.malloc_tuning import keep_freed, tune_malloc
 
 GLIBC = bool(os.confstr("CS_GNU_LIBC_VERSION")) if "CS_GNU_LIBC_VERSION" in os.confstr_names else False
 
@@ -37,10 +38,11 @@ PROBE = textwrap.dedent(
 )
 
 
-def _probe(mode: str) -> tuple[bool, int]:
+def _run(probe: str, mode: str, rounds: int) -> list[str]:
+    """The words a probe prints, run in a fresh interpreter without the operator's malloc settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, mode, str(ROUNDS)],
+        [sys.executable, "-c", probe, mode, str(rounds)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -48,7 +50,11 @@ def _probe(mode: str) -> tuple[bool, int]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    tuned, faults = done.stdout.split()
+    return done.stdout.split()
+
+
+def _probe(mode: str) -> tuple[bool, int]:
+    tuned, faults = _run(PROBE, mode, ROUNDS)
     return tuned == "True", int(faults)
 
 
@@ -71,3 +77,44 @@ def test_a_tuned_thread_reuses_freed_blocks_instead_of_faulting_them_in() -> Non
 )
 def test_an_operators_own_malloc_settings_are_left_alone(environ: dict[str, str]) -> None:
     assert tune_malloc(environ) is False
+
+
+# In a fresh interpreter, tuned: maybe keep 640 MiB, then a thread takes 36 blocks of 9 MiB (324 MiB, more
+# than the 256 MiB glibc keeps by `tune_malloc`) and frees them all, `TRIM_ROUNDS` times; its minor faults.
+TRIM_PROBE = textwrap.dedent(
+    """
+    import resource, sys, threading
+    from swarmnode.malloc_tuning import keep_freed, tune_malloc
+    ok = tune_malloc() and (keep_freed(640 << 20) if sys.argv[1] == "keep" else True)
+    def work():
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for _ in range(int(sys.argv[2])):
+            blocks = [bytearray(9 << 20) for _ in range(36)]
+            del blocks
+        print(ok, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    """
+)
+TRIM_ROUNDS = 4
+TRIM_ROUND_PAGES = 36 * (9 << 20) // 4096
+
+
+def _trim_probe(mode: str) -> int:
+    ok, faults = _run(TRIM_PROBE, mode, TRIM_ROUNDS)
+    assert ok == "True"
+    return int(faults)
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+def test_a_heap_told_to_keep_what_it_frees_stops_faulting_it_in_again() -> None:
+    trimmed, kept = _trim_probe("trim"), _trim_probe("keep")
+    assert trimmed > (TRIM_ROUNDS - 1) * TRIM_ROUND_PAGES  # each round's blocks went back to the system
+    assert kept < 2 * TRIM_ROUND_PAGES  # the first round faulted them in; later rounds reuse them
+
+
+def test_keep_freed_leaves_an_operators_settings_alone_and_refuses_a_negative_size() -> None:
+    assert keep_freed(1 << 30, {"MALLOC_TRIM_THRESHOLD_": "0"}) is False
+    with pytest.raises(ValueError, match="negative"):
+        keep_freed(-1)

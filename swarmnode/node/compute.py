@@ -3,8 +3,9 @@
 Torch work runs off the event loop, so RPC handlers keep answering while a stage computes. Tasks run one
 at a time in priority order, FIFO within a priority: an optimizer step first (it is only ever queued when
 nothing is held, and must run before newly arrived forward passes), then backward passes (they free
-activations), then forward passes, and last the snapshots that state transfers are served from (a peer's
-request never delays training).
+activations, and the previous hop waits for their gradient), then forward passes, then the weights' parts of
+split backward passes (only this node's next update needs them: they fill the time the pipeline leaves
+idle), and last the snapshots that state transfers are served from (a peer's request never delays training).
 
 `busy_seconds` counts the compute thread's own time in the training jobs (`compute_clock`; validation passes
 are left out), which the node announces as its throughput and the planners cost it by.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +24,15 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
 
 class Priority(enum.IntEnum):
     STEP = 0
     BACKWARD = 1
     FORWARD = 2
-    SERVE = 3
+    WEIGHTS = 3
+    SERVE = 4
 
 
 def compute_clock(device_type: str, threads: int) -> Callable[[], float]:
@@ -95,6 +100,12 @@ class ComputeQueue:
         await self._queue.put((int(priority), next(self._order), fn, measured, future))
         return await future
 
+    def post(self, priority: Priority, fn: Callable[[], object]) -> None:
+        """Queue `fn` as `submit` does, without waiting for it; an error it raises is logged."""
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_log_failure)
+        self._queue.put_nowait((int(priority), next(self._order), fn, True, future))
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -128,3 +139,8 @@ class ComputeQueue:
 
 def _untimed(fn: Callable[[], T]) -> T:
     return fn()
+
+
+def _log_failure(future: asyncio.Future[object]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.error("a compute job failed", exc_info=future.exception())

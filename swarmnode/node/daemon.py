@@ -28,6 +28,7 @@ from protocols.messages import Ack, AveragingRequest, ErrorCode, NodeRecord, Nod
 from protocols.noloco import OuterConfig
 from protocols.stepbook import MicrobatchKey
 from protocols.transfers import StatePart, StateRequest, StateTransfer
+from swarmnode.malloc_tuning import keep_freed
 from swarmnode.node import recovery, seed, state
 from swarmnode.node.averaging import OuterLoop
 from swarmnode.node.checks import Rejected, guarded, hop_tensor
@@ -58,6 +59,9 @@ MAX_LINK_PROBES = 16  # pings per probe
 VIEW_GRACE_TTLS = 4
 MEASURED_AFTER = 8  # microbatches a node serves before it measures its throughput
 MEASURED_OVER = 16  # microbatches it measures over before it tells (then over all since)
+# heap memory a daemon keeps once freed, in multiples of its weights' bytes: a llama-124m stage frees and
+# takes again three to four times its weights in an iteration (sums, weight products, a snapshot)
+FREED_PER_WEIGHTS = 4
 
 
 class Node(ABC):
@@ -80,6 +84,8 @@ class Node(ABC):
         self.wire = Wire(*wire_dtypes(spec.dtype))
         self.model_config = replace(get_preset(spec.preset).model, vocab_size=spec.vocab_size)
         self.piece = build_piece(self.model_config, stage, spec.stages, spec.seed).to(self.precision.device)
+        # what an iteration frees and takes again: gradient sums, weight products, snapshots (malloc_tuning)
+        keep_freed(FREED_PER_WEIGHTS * sum(p.numel() * p.element_size() for p in self.piece.parameters()))
         schedule = Schedule(spec.lr, spec.warmup_steps, spec.total_steps)
         self.optimizer = StageOptimizer(self.piece, schedule, spec.max_grad_norm)
         self.compute = ComputeQueue(

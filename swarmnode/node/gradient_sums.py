@@ -118,8 +118,7 @@ class IndexOrderedSum:
         """`outputs.backward(grad)` for microbatch `index` of the group, its parameter gradients into the sum
         (the inputs' `.grad`, if they require one, is set as usual). Raises ValueError for an index that
         already had a pass."""
-        if index < self._next or index in self._held or index < 0:
-            raise ValueError(f"microbatch {index} already had its backward pass in this group")
+        self._check_new(index)
         for param in self._params:
             param.grad = None
         try:
@@ -128,6 +127,14 @@ class IndexOrderedSum:
         finally:
             for param in self._params:
                 param.grad = None
+        self.add(index, grads)
+
+    def add(self, index: int, grads: list[Tensor | None]) -> None:
+        """Microbatch `index`'s gradients, computed elsewhere (by parameter position; None: no gradient),
+        into the sum. Raises ValueError for an index that already had a pass."""
+        self._check_new(index)
+        if len(grads) != len(self._params):
+            raise ValueError(f"{len(grads)} gradients for {len(self._params)} parameters")
         if index != self._next:
             self._held[index] = grads
             return
@@ -136,6 +143,10 @@ class IndexOrderedSum:
         while self._next in self._held:
             self._fold(self._held.pop(self._next))
             self._next += 1
+
+    def _check_new(self, index: int) -> None:
+        if index < self._next or index in self._held or index < 0:
+            raise ValueError(f"microbatch {index} already had its backward pass in this group")
 
     def _fold(self, grads: list[Tensor | None]) -> None:
         for i, grad in enumerate(grads):

@@ -251,6 +251,7 @@ class StageNode(Node):
             await self.maybe_step()
             return
         self.book.finish(key, applied=True, now=time.monotonic())
+        self.compute.post(Priority.WEIGHTS, lambda: self.worker.weights(key))
         self.microbatches_served += 1
         if any(places):
             clock = max(self.swarm_read.clock(), self.optimizer.step_count)

@@ -13,19 +13,26 @@ group's gradients are scaled by the loss scale of its first backward pass and un
 
 Gradients are summed so that the order of the backward passes does not matter (`node.gradient_sums`):
 microbatches come and go in the order the network's timing gives.
+
+A float32 stage splits each backward pass (`node.split_backward`): `backward` computes the gradient at the
+inputs, which the previous hop waits for, and leaves the linear layers' weight gradients pending; `weights`
+computes them when the compute thread has nothing more urgent, and a group's update computes whatever of its
+own is still pending first. The sums are the same to the bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from protocols.stepbook import Group, MicrobatchKey
 from swarmnode.node.gradient_sums import IndexOrderedSum, OrderFreeSum
+from swarmnode.node.split_backward import Record, SplitBackward, WeightWork
 from swarmnode.optim import StageOptimizer
 from swarmnode.pieces import DataPiece
 from swarmnode.precision import Overflow, Precision, all_finite
@@ -40,6 +47,7 @@ class _Held:
     inputs: Tensor
     outputs: Tensor
     created: float
+    records: list[Record] = field(default_factory=list)  # linear layers' inputs and outputs (a split pass)
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,8 @@ def _unscaled_gradient(inputs: Tensor, scale: float, key: object) -> Tensor:
 
 
 class StageWorker:
-    """Forward and backward passes of one transformer stage, with its optimizer."""
+    """Forward and backward passes of one transformer stage, with its optimizer. `split`: split backward
+    passes (the default for a float32 stage, the only kind that can: `node.split_backward`)."""
 
     def __init__(
         self,
@@ -82,16 +91,22 @@ class StageWorker:
         optimizer: StageOptimizer,
         precision: Precision | None = None,
         wire: Wire | None = None,
+        split: bool | None = None,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
         self.precision = precision or Precision()
         self.wire = wire or Wire()
         self.scaler = self.precision.scaler()
+        if split and self.precision.mixed:
+            raise ValueError(f"a {self.precision.dtype} stage cannot split its backward passes")
         self._held: dict[MicrobatchKey, _Held] = {}
         self._params = list(module.parameters())
         self._grads: dict[Group, IndexOrderedSum] = {}  # each group's accumulated gradients
         self._scales: dict[Group, float] = {}  # each group's loss scale (float16)
+        wanted = not self.precision.mixed if split is None else split
+        self._split = SplitBackward(module, self._params) if wanted else None
+        self._pending: dict[MicrobatchKey, WeightWork] = {}  # split passes whose weights' part is left
 
     @property
     def in_flight(self) -> int:
@@ -102,13 +117,19 @@ class StageWorker:
         """Groups with gradients waiting for their update."""
         return len(self._grads)
 
+    @property
+    def pending_weights(self) -> int:
+        """Split backward passes whose weights' part is still to compute."""
+        return len(self._pending)
+
     def forward(self, key: MicrobatchKey, hidden: Tensor, now: float) -> Tensor:
         """The forward pass of a microbatch, held for its backward; its outputs as they travel. Raises
         Overflow if they do not fit a float16 wire (the microbatch stays held until it is aborted)."""
         inputs = hidden.detach().to(self.precision.device, torch.float32).requires_grad_(True)
-        with self.precision.autocast():
+        recording = self._split.recording() if self._split else contextlib.nullcontext([])
+        with self.precision.autocast(), recording as records:
             outputs = self.module(inputs)
-        self._held[key] = _Held(inputs, outputs, now)
+        self._held[key] = _Held(inputs, outputs, now, records)
         return _activations_to_wire(outputs, self.wire.activations, f"microbatch {key}")
 
     def evaluate(self, hidden: Tensor) -> Tensor:
@@ -128,8 +149,19 @@ class StageWorker:
         if gradients is None:
             gradients = self._grads[key.group] = IndexOrderedSum(self._params)
         upstream = grad.to(self.precision.device, torch.float32) * scale
-        gradients.backward(key.microbatch, held.outputs, upstream)
+        if self._split is None:
+            gradients.backward(key.microbatch, held.outputs, upstream)
+        else:
+            self._pending[key] = self._split.input_pass(held.outputs, upstream, held.inputs, held.records)
         return _to_wire(_unscaled_gradient(held.inputs, scale, key), self.wire.gradients)
+
+    def weights(self, key: MicrobatchKey) -> None:
+        """The weights' part of microbatch `key`'s split backward pass, into its group's gradients; nothing
+        if it is done already or its group was dropped."""
+        work = self._pending.pop(key, None)
+        gradients = self._grads.get(key.group)
+        if work is not None and gradients is not None:
+            gradients.add(key.microbatch, work.complete())
 
     def drop(self, key: MicrobatchKey) -> bool:
         """Forget a microbatch (aborted); True if it was held."""
@@ -154,11 +186,15 @@ class StageWorker:
         for group in stale:
             self._grads.pop(group).clear()
             self._scales.pop(group, None)
+        for key in [key for key in self._pending if key.group not in groups]:
+            del self._pending[key]
         return len(stale)
 
     def step_group(self, group: Group, grad_scale: float = 1.0) -> float | None:
         """One optimizer update with `group`'s gradients times `grad_scale`, at the learning rate of its
         iteration; the gradient norm, or None if the group has no gradients here."""
+        for key in [key for key in self._pending if key.group == group]:
+            self.weights(key)
         gradients = self._grads.pop(group, None)
         if gradients is None:
             return None
