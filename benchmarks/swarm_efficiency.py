@@ -40,6 +40,7 @@ step over the report's median iteration seconds. The single process's figures ex
     python benchmarks/swarm_efficiency.py                  # tiny and llama-124m (narrowed), M = 1 and 4
     python benchmarks/swarm_efficiency.py --cases tiny --microbatches 1,2,4,8 --json out.json
     python benchmarks/swarm_efficiency.py --cases llama-124m --microbatches 4 --baseline-threads 2 --rounds 3
+    python benchmarks/swarm_efficiency.py --cases llama-124m-2 --microbatches 4 --baseline-threads 2
     python benchmarks/swarm_efficiency.py --cases none --up-steps 100
 
 Takes four to eight minutes on two cores with M = 1 and 4 (each swarm needs 20-40 s to start); M = 8 for
@@ -105,6 +106,9 @@ CASES = {
     # stage, about 0.2 s of compute (forward and backward) per stage and microbatch on one thread. 12
     # iterations measured after the warm-up: of 6, one was often 1.5x the rest
     "llama-124m": Case("llama-124m", "llama-124m", 3, 1, 128, baseline_steps=6, swarm_steps=SKIP + 12),
+    # the same model as 2 stages of 6 layers: on two cores, about a core per stage, as volunteers' machines
+    # each serve one (the data node's head and embedding are small beside a stage)
+    "llama-124m-2": Case("llama-124m-2", "llama-124m", 2, 1, 128, baseline_steps=6, swarm_steps=SKIP + 12),
 }
 
 
