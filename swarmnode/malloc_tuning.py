@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -53,7 +53,7 @@ def keep_freed(nbytes: int, environ: Mapping[str, str] = os.environ) -> bool:
     return mallopt is not None and mallopt(M_TRIM_THRESHOLD, threshold) == 1
 
 
-def _mallopt(environ: Mapping[str, str]):  # type: ignore[no-untyped-def]
+def _mallopt(environ: Mapping[str, str]) -> Callable[[int, int], int] | None:
     """glibc's `mallopt`, or None where the operator set malloc's parameters or there is no glibc."""
     set_by_operator = "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
     if set_by_operator or any(name.startswith("MALLOC_") for name in environ):
