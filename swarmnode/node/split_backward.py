@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -50,27 +51,23 @@ class SplitBackward:
     def __init__(self, module: nn.Module, params: Sequence[nn.Parameter]) -> None:
         positions = {id(param): i for i, param in enumerate(params)}
         self._params = list(params)
-        self._linears = [
-            (positions[id(layer.weight)], layer)
-            for layer in module.modules()
-            if isinstance(layer, nn.Linear) and layer.bias is None and layer.weight.requires_grad
-        ]
+        self._records: list[Record] | None = None  # while `recording`
+        for layer in module.modules():  # hooks kept for the module's life: none added per pass
+            if isinstance(layer, nn.Linear) and layer.bias is None and layer.weight.requires_grad:
+                layer.register_forward_hook(partial(self._record, positions[id(layer.weight)]))
+
+    def _record(self, position: int, _layer: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+        if self._records is not None:
+            self._records.append((position, args[0], output))
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[Record]]:
         """Within: each linear layer's input and output, as the forward pass runs it."""
-        records: list[Record] = []
-        handles = [
-            layer.register_forward_hook(
-                lambda _layer, args, output, position=position: records.append((position, args[0], output))
-            )
-            for position, layer in self._linears
-        ]
+        self._records = records = []
         try:
             yield records
         finally:
-            for handle in handles:
-                handle.remove()
+            self._records = None
 
     def input_pass(self, outputs: Tensor, grad: Tensor, inputs: Tensor, records: list[Record]) -> WeightWork:
         """The first part for a forward pass that gave `outputs` from `inputs` (recorded as `records`): the
