@@ -19,13 +19,27 @@ gradient sums, the weights' parts of split backward passes, weight snapshots for
 heap trimmed at each iteration's end faults all of that in again at the next (a llama-124m stage, 124 MB of
 weights: 50,000-80,000 minor faults an iteration in some runs). `keep_freed` raises the threshold to what
 the daemon's piece needs.
+
+No threshold holds against `malloc_trim(0)`, which hands back every free page of the heap. The protobuf
+extension that hivemind's messages use (upb) calls it once every 10,000 frees of its message arenas, and a
+daemon's DHT and p2pd control traffic frees that many in 20-25 s: in a llama-124m swarm every stage handed
+back 150-230 MiB at each call and faulted 40,000-80,000 pages in again over the next two seconds (0.05-0.15 s
+of system time on this machine; seconds where the hypervisor had taken the pages back).
+`stop_protobuf_trims` points the extension's call at a function that does nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import logging
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from swarmnode.elf_slots import SlotError, redirect
+
+logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -51,6 +65,43 @@ def keep_freed(nbytes: int, environ: Mapping[str, str] = os.environ) -> bool:
     mallopt = _mallopt(environ)
     threshold = min(max(nbytes, TRIM_THRESHOLD), MAX_TRIM_THRESHOLD)
     return mallopt is not None and mallopt(M_TRIM_THRESHOLD, threshold) == 1
+
+
+_TrimFunction = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t)
+_kept_trims: list[object] = []  # the function the extension calls instead, once pointed at it
+
+
+def stop_protobuf_trims() -> bool:
+    """Keep protobuf's upb extension from calling glibc's `malloc_trim` (see above); whether it is kept
+    from it. Idempotent; undone at exit (before the interpreter frees the function it calls instead). False,
+    and nothing changed, without glibc, without the upb extension, or for a build of it this cannot change
+    (logged)."""
+    if _kept_trims:
+        return True
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return False
+        from google._upb import _message  # type: ignore[import-not-found]
+    except (ValueError, OSError, ImportError):  # no glibc, or protobuf's pure-Python build (it never trims)
+        return False
+    library = Path(_message.__file__)
+    instead = _TrimFunction(_trim_nothing)
+    replacement = ctypes.cast(instead, ctypes.c_void_p).value
+    try:
+        original = ctypes.cast(ctypes.CDLL(None).malloc_trim, ctypes.c_void_p).value
+        if original is None or replacement is None:
+            return False
+        redirect(library, "malloc_trim", "PyInit__message", original, replacement)
+    except (SlotError, OSError, AttributeError) as error:
+        logger.info("protobuf's malloc_trim calls stay (%s): %s", library.name, error)
+        return False
+    _kept_trims.append(instead)
+    atexit.register(redirect, library, "malloc_trim", "PyInit__message", replacement, original)
+    return True
+
+
+def _trim_nothing(pad: int) -> int:
+    return 0  # nothing handed back
 
 
 def _mallopt(environ: Mapping[str, str]) -> Callable[[int, int], int] | None:

@@ -17,6 +17,7 @@ from protocols.messages import NodeRecord, NodeState
 from swarmnode.data import check_run_data, check_splits, load_corpus
 from swarmnode.datasource import cache_dir
 from swarmnode.dht import Reach, SwarmDHT, peer_ids_of
+from swarmnode.malloc_tuning import stop_protobuf_trims
 from swarmnode.node.context import NodeContext
 from swarmnode.node.daemon import Node
 from swarmnode.node.driver import DataNode
@@ -125,6 +126,7 @@ async def run_join(options: JoinOptions) -> int:
     """
     if options.threads:
         torch.set_num_threads(options.threads)
+    stop_protobuf_trims()  # a daemon keeps the heap its iterations take again (malloc_tuning)
     started = time.monotonic()
     dht = SwarmDHT(
         options.run_id,
