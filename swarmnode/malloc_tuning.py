@@ -25,19 +25,18 @@ extension that hivemind's messages use (upb) calls it once every 10,000 frees of
 daemon's DHT and p2pd control traffic frees that many in 20-25 s: in a llama-124m swarm every stage handed
 back 150-230 MiB at each call and faulted 40,000-80,000 pages in again over the next two seconds (0.05-0.15 s
 of system time on this machine; seconds where the hypervisor had taken the pages back).
-`stop_protobuf_trims` points the extension's call at a function that does nothing.
+`stop_protobuf_trims` points the extension's call at a C library function that does nothing with it.
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from swarmnode.elf_slots import SlotError, redirect
+from swarmnode.elf_slots import SlotError, redirect, slot_values
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +66,13 @@ def keep_freed(nbytes: int, environ: Mapping[str, str] = os.environ) -> bool:
     return mallopt is not None and mallopt(M_TRIM_THRESHOLD, threshold) == 1
 
 
-_TrimFunction = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t)
-_kept_trims: list[object] = []  # the function the extension calls instead, once pointed at it
-
-
 def stop_protobuf_trims() -> bool:
     """Keep protobuf's upb extension from calling glibc's `malloc_trim` (see above); whether it is kept
-    from it. Idempotent; undone at exit (before the interpreter frees the function it calls instead). False,
-    and nothing changed, without glibc, without the upb extension, or for a build of it this cannot change
-    (logged)."""
-    if _kept_trims:
-        return True
+    from it (or never calls it). Its slot for the function is pointed at glibc's `malloc_usable_size`, which
+    takes one word as `malloc_trim` does, returns 0 for the null pointer upb passes (`malloc_trim(0)`), and
+    does nothing else: a C function, so no Python runs inside the frees that call it, and it outlives the
+    interpreter. False, and nothing changed, without glibc or the upb extension, or for a build of it this
+    cannot change (logged)."""
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
             return False
@@ -85,23 +80,21 @@ def stop_protobuf_trims() -> bool:
     except (ValueError, OSError, ImportError):  # no glibc, or protobuf's pure-Python build (it never trims)
         return False
     library = Path(_message.__file__)
-    instead = _TrimFunction(_trim_nothing)
-    replacement = ctypes.cast(instead, ctypes.c_void_p).value
     try:
-        original = ctypes.cast(ctypes.CDLL(None).malloc_trim, ctypes.c_void_p).value
-        if original is None or replacement is None:
-            return False
-        redirect(library, "malloc_trim", "PyInit__message", original, replacement)
+        libc = ctypes.CDLL(None)
+        trim, instead = (
+            ctypes.cast(f, ctypes.c_void_p).value for f in (libc.malloc_trim, libc.malloc_usable_size)
+        )
+        if trim is None or instead is None:
+            raise SlotError("no address for malloc_trim or malloc_usable_size")
+        values = slot_values(library, "malloc_trim", "PyInit__message")
+        if all(value == instead for value in values):
+            return True  # already done (or no slot: the extension never calls it)
+        redirect(library, "malloc_trim", "PyInit__message", trim, instead)
     except (SlotError, OSError, AttributeError) as error:
-        logger.info("protobuf's malloc_trim calls stay (%s): %s", library.name, error)
+        logger.warning("protobuf's malloc_trim calls stay (%s): %s", library.name, error)
         return False
-    _kept_trims.append(instead)
-    atexit.register(redirect, library, "malloc_trim", "PyInit__message", replacement, original)
     return True
-
-
-def _trim_nothing(pad: int) -> int:
-    return 0  # nothing handed back
 
 
 def _mallopt(environ: Mapping[str, str]) -> Callable[[int, int], int] | None:
