@@ -23,8 +23,8 @@ the daemon's piece needs.
 No threshold holds against `malloc_trim(0)`, which hands back every free page of the heap. The protobuf
 extension that hivemind's messages use (upb) calls it once every 10,000 frees of its message arenas, and a
 daemon's DHT and p2pd control traffic frees that many in 20-25 s: in a llama-124m swarm every stage handed
-back 150-230 MiB at each call and faulted 40,000-80,000 pages in again over the next two seconds (0.05-0.15 s
-of system time on this machine; seconds where the hypervisor had taken the pages back).
+back 150-225 MiB at each call and faulted 40,000-80,000 pages in again over the next two seconds (0.05-0.15 s
+of system time in one traced run; 1.1-2.2 s a stage in the slowest rounds measured, docs/local-swarm.md).
 `stop_protobuf_trims` points the extension's call at a C library function that does nothing with it.
 """
 
