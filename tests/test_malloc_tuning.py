@@ -166,7 +166,10 @@ def _upb_probe(mode: str) -> tuple[int, int]:
 
 @pytest.mark.skipif(not GLIBC or not _upb(), reason="glibc's malloc_trim, upb's calls")
 def test_protobuf_is_kept_from_trimming_the_heap() -> None:
-    for mode, trimmed in (("plain", True), ("stop", False)):
-        kept, handed_back = _upb_probe(mode)
-        assert kept >= 150, mode  # the freed blocks stay resident: the threshold keeps them
-        assert (handed_back >= 150) is trimmed, (mode, handed_back)
+    kept, handed_back = _upb_probe("plain")
+    assert kept >= 150  # the freed blocks stay resident: the threshold keeps them
+    if handed_back < 150:
+        pytest.skip("this protobuf build does not trim the heap (upstream has the call disabled on main)")
+    kept, handed_back = _upb_probe("stop")
+    assert kept >= 150
+    assert handed_back < 150, handed_back
