@@ -1,7 +1,8 @@
 """The single-process reference trainer: the baseline every swarm figure is measured against.
 
 It runs each microbatch through the same stage pieces, in stage order, that the daemons run in separate
-processes (`swarmnode.pieces`), with the same per-stage optimizer (`swarmnode.optim`).
+processes (`swarmnode.pieces`), with the same per-stage optimizer (`swarmnode.optim`) and, at a small
+microbatch in float32, a stage's backward pass split and summed as a stage daemon's (`trainer_passes`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.pieces import DataPiece, build_piece
 from swarmnode.precision import LossScaler, Precision
 from swarmnode.presets import Preset, get_preset
+from swarmnode.trainer_passes import microbatch_passes
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ def train(
     schedule = Schedule(preset.lr, preset.warmup_steps, config.steps)
     optimizers = [StageOptimizer(piece, schedule) for piece in pieces]
     scaler = precision.scaler()  # float16: one loss scale for the whole model, as in a single process
+    passes = microbatch_passes(data_piece, stages, precision, preset.batch_size * preset.seq_len)
 
     fixed_val = (
         validation_set(corpus.val_tokens, preset.batch_size, preset.seq_len)
@@ -147,15 +150,11 @@ def train(
     for step in range(config.steps):
         tick = time.perf_counter()
         step_loss = 0.0
-        for _ in range(preset.microbatches):
+        for index in range(preset.microbatches):
             inputs, targets = (t.to(precision.device) for t in next(stream))
-            with precision.autocast():
-                hidden = data_piece.embed(inputs)
-                for stage in stages:
-                    hidden = stage(hidden)
-                loss = data_piece.loss(hidden, targets)
-            (loss.float() * (scaler.scale / preset.microbatches)).backward()
-            step_loss += float(loss.detach()) / preset.microbatches
+            loss = passes.microbatch(index, inputs, targets, scaler.scale / preset.microbatches)
+            step_loss += loss / preset.microbatches
+        passes.load()
         step_together(optimizers, scaler)
         compute_seconds += time.perf_counter() - tick
         losses.append(step_loss)

@@ -10,12 +10,13 @@ from protocols.stepbook import MicrobatchKey
 from swarmnode.model import build_stage
 from swarmnode.model_config import ModelConfig
 from swarmnode.node.gradient_sums import IndexOrderedSum
-from swarmnode.node.split_backward import SplitBackward
+from swarmnode.node.split_backward import SplitBackward, WeightWork
 from swarmnode.node.worker import StageWorker
 from swarmnode.optim import Schedule, StageOptimizer
 from swarmnode.precision import Precision
 
 CONFIG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=8)
+LONG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=256)
 WIDE = ModelConfig(
     vocab_size=64, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=688, max_seq_len=64
 )
@@ -49,18 +50,23 @@ def test_both_parts_give_autograds_gradients_bit_for_bit(config: ModelConfig, se
     missing = [i for i, g in enumerate(work.grads) if g is None]
     assert sorted(missing) == sorted(position for position, _, _ in records)  # the weights wait
     assert all(p.grad is None for p in params)  # nothing accumulated into the parameters
-    got = work.complete()
+    got: list[torch.Tensor | None] = [None] * len(params)
+    work.fold_into(got)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    assert not work.linears
+    assert not work.linears and all(g is None for g in work.grads)  # folded once: a second fold adds nothing
 
 
 def _trained(
-    split: bool, backward_order: tuple[int, ...], weights_order: tuple[int, ...]
+    split: bool,
+    backward_order: tuple[int, ...],
+    weights_order: tuple[int, ...],
+    config: ModelConfig = CONFIG,
+    seq: int = 8,
 ) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    module = build_stage(CONFIG, 1, 1)
+    module = build_stage(config, 1, 1)
     worker = StageWorker(module, StageOptimizer(module, Schedule(1e-2, 0, 100), 1e9), split=split)
-    inputs, grads = _data(CONFIG, 4, 8)
+    inputs, grads = _data(config, 4, seq)
     keys = [MicrobatchKey("a", 5, k) for k in range(4)]
     for k in range(4):
         worker.forward(keys[k], inputs[k], 0.0)
@@ -86,6 +92,88 @@ def test_a_split_stage_updates_as_a_whole_pass_does_whatever_the_order(
             _trained(True, backward_order, weights_order), _trained(False, backward_order, ()), strict=True
         )
     )
+
+
+@pytest.mark.parametrize("backward_order", [(0, 1, 2, 3), (3, 1, 0, 2)])
+@pytest.mark.parametrize("weights_order", [(), (2,), (3, 0), (1, 3, 2, 0)])
+def test_large_microbatches_give_one_update_whatever_the_order(
+    backward_order: tuple[int, ...], weights_order: tuple[int, ...]
+) -> None:
+    """512 tokens a microbatch of a narrow stage: its weights' parts hold more than the gradients they make,
+    so they are computed apart when their job runs (`WeightWork.to_hold`), and summed in index order."""
+    expected = _trained(True, (0, 1, 2, 3), (0, 1, 2, 3), LONG, 256)
+    got = _trained(True, backward_order, weights_order, LONG, 256)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    whole = _trained(False, (0, 1, 2, 3), (), LONG, 256)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(got, whole, strict=True))
+
+
+def _first_parts(
+    config: ModelConfig, count: int, seq: int
+) -> tuple[list[torch.nn.Parameter], list[WeightWork]]:
+    torch.manual_seed(0)
+    module = build_stage(config, 1, 1)
+    params = list(module.parameters())
+    split = SplitBackward(module, params)
+    inputs, grads = _data(config, count, seq)
+    works = []
+    for x, g in zip(inputs, grads, strict=True):
+        leaf = x.clone().requires_grad_(True)
+        with split.recording() as records:
+            outputs = module(leaf)
+        works.append(split.input_pass(outputs, g, leaf, records))
+    return params, works
+
+
+def test_a_small_weights_part_is_held_whole_and_a_large_one_computed_apart() -> None:
+    _, (small,) = _first_parts(CONFIG, 1, 8)  # 16 tokens: inputs and output gradients smaller than weights
+    assert small.to_hold() is small and small.linears
+    _, (large,) = _first_parts(LONG, 1, 256)  # 512 tokens of a 32-wide stage
+    missing = [i for i, g in enumerate(large.grads) if g is None]
+    assert large.to_hold() is large and not large.linears
+    assert [i for i, g in enumerate(large.grads) if g is None] == [] and missing
+
+
+def test_a_weights_part_is_computed_when_its_turn_in_the_sum_comes() -> None:
+    params, works = _first_parts(CONFIG, 2, 8)
+    sums = IndexOrderedSum(params)
+    sums.add_work(1, works[1].to_hold())
+    assert sums.held == 1 and works[1].linears  # held, its products not computed
+    sums.add_work(0, works[0].to_hold())
+    assert sums.held == 0 and not works[0].linears and not works[1].linears
+
+
+def _wide_linear_terms() -> list[WeightWork]:
+    """Three microbatches' parts of one 1024 x 1024 layer, 512 tokens each: held whole (as large as the
+    weight), and summed by `addmm_`, which here may round otherwise than a product written apart."""
+    generator = torch.Generator().manual_seed(2)
+    return [
+        WeightWork(
+            [None],
+            [
+                (
+                    0,
+                    torch.randn(512, 1024, generator=generator),
+                    torch.randn(512, 1024, generator=generator) * 10.0**i,
+                )
+            ],
+        )
+        for i in range(3)
+    ]
+
+
+def test_parts_folded_into_the_sum_give_one_sum_whatever_the_order() -> None:
+    param = torch.nn.Parameter(torch.zeros(1024, 1024))
+    results = []
+    for order in [(0, 1, 2), (2, 1, 0), (1, 2, 0)]:
+        works = _wide_linear_terms()
+        sums = IndexOrderedSum([param])
+        for index in order:
+            sums.add_work(index, works[index].to_hold())
+        sums.load()
+        assert param.grad is not None
+        results.append(param.grad)
+    assert all(torch.equal(result, results[0]) for result in results[1:])
 
 
 def test_a_dropped_groups_pending_parts_go_with_it_and_late_calls_do_nothing() -> None:

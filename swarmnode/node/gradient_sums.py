@@ -12,6 +12,8 @@ one seed parted in the last bits within a few steps, and training grew that to 0
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
@@ -97,6 +99,30 @@ def _sum_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+class Folds(Protocol):
+    """A pass's gradients not yet computed in full (`split_backward.WeightWork`): `fold_into` adds them to
+    the sums, by parameter position, computing what is missing as it goes."""
+
+    def fold_into(self, sums: list[Tensor | None]) -> None: ...
+
+
+class _Computed:
+    """A pass's gradients as computed (by parameter position; None: no gradient)."""
+
+    def __init__(self, grads: list[Tensor | None]) -> None:
+        self._grads = grads
+
+    def fold_into(self, sums: list[Tensor | None]) -> None:
+        for i, grad in enumerate(self._grads):
+            if grad is None:
+                continue
+            total = sums[i]
+            if total is None:
+                sums[i] = grad
+            else:
+                total.add_(grad)
+
+
 class IndexOrderedSum:
     """The gradients of a group's backward passes summed in float32 in the order of their microbatch index:
     `((g0 + g1) + g2) + ...` over the indices that had a pass, whatever order the passes ran in.
@@ -106,13 +132,17 @@ class IndexOrderedSum:
     order. Indices a node never sees (another replica's, a lost microbatch's) are simply absent. In order,
     a pass costs one float32 add per parameter (the first none): a stage of llama-124m's layers on one CPU
     thread took 1.07-1.08x a bare forward and backward pass, against 1.29-1.30x with `OrderFreeSum`'s float64
-    sums (`benchmarks/gradient_sums.py`, with the daemons' malloc settings)."""
+    sums (`benchmarks/gradient_sums.py`, with the daemons' malloc settings).
+
+    A split pass's weights' part (`add_work`) is folded when its turn comes, what of it is still to compute
+    (a small microbatch's products, `WeightWork.to_hold`) computed then, into the sum (`fold_into`): each
+    term is folded the same way whatever the timing, so the sum stays independent of it."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self._params = params
         self._sums: list[Tensor | None] = [None] * len(params)
         self._next = 0  # every index below this one that had a pass is in `_sums`
-        self._held: dict[int, list[Tensor | None]] = {}  # passes that came before a lower index's
+        self._held: dict[int, Folds] = {}  # passes that came before a lower index's
 
     def backward(self, index: int, outputs: Tensor, grad: Tensor) -> None:
         """`outputs.backward(grad)` for microbatch `index` of the group, its parameter gradients into the sum
@@ -132,36 +162,31 @@ class IndexOrderedSum:
     def add(self, index: int, grads: list[Tensor | None]) -> None:
         """Microbatch `index`'s gradients, computed elsewhere (by parameter position; None: no gradient),
         into the sum. Raises ValueError for an index that already had a pass."""
-        self._check_new(index)
         if len(grads) != len(self._params):
             raise ValueError(f"{len(grads)} gradients for {len(self._params)} parameters")
+        self.add_work(index, _Computed(grads))
+
+    def add_work(self, index: int, work: Folds) -> None:
+        """Microbatch `index`'s gradients as `work` folds them (a split pass's weights' part, computed when
+        its turn comes). Raises ValueError for an index that already had a pass."""
+        self._check_new(index)
         if index != self._next:
-            self._held[index] = grads
+            self._held[index] = work
             return
-        self._fold(grads)
+        work.fold_into(self._sums)
         self._next += 1
         while self._next in self._held:
-            self._fold(self._held.pop(self._next))
+            self._held.pop(self._next).fold_into(self._sums)
             self._next += 1
 
     def _check_new(self, index: int) -> None:
         if index < self._next or index in self._held or index < 0:
             raise ValueError(f"microbatch {index} already had its backward pass in this group")
 
-    def _fold(self, grads: list[Tensor | None]) -> None:
-        for i, grad in enumerate(grads):
-            if grad is None:
-                continue
-            total = self._sums[i]
-            if total is None:
-                self._sums[i] = grad
-            else:
-                total.add_(grad)
-
     def load(self) -> None:
         """Fold what is held, in index order, and point the parameters' `.grad` at the sums; start anew."""
         for index in sorted(self._held):
-            self._fold(self._held[index])
+            self._held[index].fold_into(self._sums)
         for param, total in zip(self._params, self._sums, strict=True):
             param.grad = total
         self.clear()

@@ -34,14 +34,62 @@ class WeightWork:
     grads: list[Tensor | None]
     linears: list[tuple[int, Tensor, Tensor]] = field(default_factory=list)
 
-    def complete(self) -> list[Tensor | None]:
-        """The missing weight gradients, computed; every parameter's gradient, by position."""
+    def to_hold(self) -> WeightWork:
+        """This work as a gradient sum should hold it until its turn to fold: as it is where what it holds
+        (each layer's input and output gradient) is no larger than the weight gradients it makes, else with
+        those computed now, apart (`fold_into` adds them). Decided by shapes alone, never by timing, so a
+        microbatch's terms are summed the same way in every run."""
+        held = sum(inputs.numel() + grad_out.numel() for _, inputs, grad_out in self.linears)
+        made = sum(inputs.shape[-1] * grad_out.shape[-1] for _, inputs, grad_out in self.linears)
+        if held > made:  # as `holds_whole` foresees
+            for position, inputs, grad_out in self.linears:
+                product = _flat(grad_out).t().mm(_flat(inputs))
+                total = self.grads[position]
+                self.grads[position] = product if total is None else total + product
+            self.linears = []
+        return self
+
+    def fold_into(self, sums: list[Tensor | None]) -> None:
+        """Add every parameter's gradient to `sums` (by position; None: no sum yet), each weight gradient
+        still missing computed into its sum as one matrix product with the sum added (`addmm_`), not
+        written apart and added after: at a small microbatch the product's output, as large as the weight,
+        costs more memory traffic than its arithmetic (`benchmarks/weight_gradients.py`)."""
+        for position, grad in enumerate(self.grads):
+            if grad is not None:
+                total = sums[position]
+                if total is None:
+                    sums[position] = grad
+                else:
+                    total.add_(grad)
         for position, inputs, grad_out in self.linears:
-            product = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(inputs.reshape(-1, inputs.shape[-1]))
-            total = self.grads[position]
-            self.grads[position] = product if total is None else total + product
-        self.linears = []
-        return self.grads
+            total = sums[position]
+            if total is None:
+                sums[position] = _flat(grad_out).t().mm(_flat(inputs))
+            else:
+                total.addmm_(_flat(grad_out).t(), _flat(inputs))
+        self.grads, self.linears = [None] * len(self.grads), []
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    return tensor.reshape(-1, tensor.shape[-1])
+
+
+def _split_linears(module: nn.Module) -> list[nn.Linear]:
+    """The layers whose weight gradients a split pass leaves to its second part."""
+    return [
+        layer
+        for layer in module.modules()
+        if isinstance(layer, nn.Linear) and layer.bias is None and layer.weight.requires_grad
+    ]
+
+
+def holds_whole(module: nn.Module, tokens: int) -> bool:
+    """Whether the weights' parts of a `tokens`-token microbatch through `module` are held whole
+    (`WeightWork.to_hold`), their products added into the sums: the case where a split pass saves work in
+    one process too (elsewhere it only reorders it)."""
+    linears = _split_linears(module)
+    held = tokens * sum(layer.in_features + layer.out_features for layer in linears)
+    return held <= sum(layer.in_features * layer.out_features for layer in linears)
 
 
 class SplitBackward:
@@ -52,9 +100,8 @@ class SplitBackward:
         positions = {id(param): i for i, param in enumerate(params)}
         self._params = list(params)
         self._records: list[Record] | None = None  # while `recording`
-        for layer in module.modules():  # hooks kept for the module's life: none added per pass
-            if isinstance(layer, nn.Linear) and layer.bias is None and layer.weight.requires_grad:
-                layer.register_forward_hook(partial(self._record, positions[id(layer.weight)]))
+        for layer in _split_linears(module):  # hooks kept for the module's life: none added per pass
+            layer.register_forward_hook(partial(self._record, positions[id(layer.weight)]))
 
     def _record(self, position: int, _layer: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
         if self._records is not None:

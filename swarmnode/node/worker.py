@@ -156,12 +156,13 @@ class StageWorker:
         return _to_wire(_unscaled_gradient(held.inputs, scale, key), self.wire.gradients)
 
     def weights(self, key: MicrobatchKey) -> None:
-        """The weights' part of microbatch `key`'s split backward pass, into its group's gradients; nothing
-        if it is done already or its group was dropped."""
+        """The weights' part of microbatch `key`'s split backward pass, into its group's gradients (computed
+        into the sum now if its turn has come, else when it comes or now if it is large:
+        `WeightWork.to_hold`); nothing if it is done already or its group was dropped."""
         work = self._pending.pop(key, None)
         gradients = self._grads.get(key.group)
         if work is not None and gradients is not None:
-            gradients.add(key.microbatch, work.complete())
+            gradients.add_work(key.microbatch, work.to_hold())
 
     def drop(self, key: MicrobatchKey) -> bool:
         """Forget a microbatch (aborted); True if it was held."""
