@@ -10,7 +10,9 @@ then the four weights' parts summed in microbatch order in one of two ways, taki
   `WeightWork.fold_into`), the first written as it is.
 
 At a small microbatch a product's output, as large as its weight (31M floats a stage here), costs more in
-memory traffic than its arithmetic, so the second way skips two passes over it a microbatch. Columns:
+memory traffic than its arithmetic, so the second way skips two passes over it a microbatch. Both ways are
+timed at every size; a daemon takes the second only where a part is held whole (`WeightWork.to_hold`: up to
+about 400 tokens on llama-124m's layers), the first elsewhere. Columns:
 milliseconds of wall time per group (the median of the rounds) for each thread count and token count, and
 the second way's ratio to the first.
 
