@@ -63,14 +63,11 @@ class SplitPasses:
         loss = self._data.loss(top, targets)
         (loss * weight).backward()
         grad = top.grad
-        for (leaf, outputs, records), split, sums in reversed(
-            list(zip(held, self._splits, self._sums, strict=True))
-        ):
-            if grad is None:
-                raise RuntimeError("a stage's output has no gradient")
-            sums.add_work(index, split.input_pass(outputs, grad, leaf, records).to_hold())
+        for split, sums in zip(reversed(self._splits), reversed(self._sums), strict=True):
+            leaf, outputs, records = held.pop()  # each stage's activations let go once its part is out
+            sums.add_work(index, split.input_pass(outputs, _present(grad), leaf, records).to_hold())
             grad = leaf.grad
-        torch.autograd.backward((embedded * grad).sum())  # as a data node's: the same pass, no sympy
+        torch.autograd.backward((embedded * _present(grad)).sum())  # as a data node's: no sympy
         return float(loss.detach())
 
     def load(self) -> None:
@@ -79,13 +76,19 @@ class SplitPasses:
             sums.load()
 
 
+def _present(grad: Tensor | None) -> Tensor:
+    if grad is None:
+        raise RuntimeError("a piece's output got no gradient: the model does not reach the loss through it")
+    return grad
+
+
 def microbatch_passes(
     data: DataPiece, stages: list[nn.Module], precision: Precision, tokens: int
 ) -> WholePasses | SplitPasses:
     """The passes a single process runs for microbatches of `tokens` tokens: split in float32 where a
     stage's weights' parts are held whole (`split_backward.holds_whole`), else whole (under autocast, or
     where the split would only reorder the work: a stage daemon then computes each product apart and adds
-    it, as autograd's accumulation does, to the same bits here, `tests/test_trainer_passes.py`)."""
+    it, as autograd's accumulation does, to the same bits here, `tests/test_split_backward.py`)."""
     if precision.mixed or not all(holds_whole(stage, tokens) for stage in stages):
         return WholePasses(data, stages, precision)
     return SplitPasses(data, stages)

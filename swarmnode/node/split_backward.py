@@ -8,8 +8,10 @@ gradient at its input) is needed by nobody upstream. Split, the path carries onl
 fills the bubbles. The first part asks autograd for the gradients at the inputs, at the parameters of every
 other kind (norms) and at each linear layer's output (recorded in the forward pass); autograd then skips the
 weight products, which the second part computes, one matrix product per layer, as autograd would: on a CPU
-in float32 they equal autograd's to the bit (`tests/test_split_backward.py`), so a split stage sums the same
-gradients as a whole pass. Under autocast (bfloat16, float16) a layer's product is taken in the compute
+in float32 they equal autograd's to the bit (`tests/test_split_backward.py`). Summed over microbatches, a
+large microbatch's products are written apart and added, as autograd accumulates, and a small one's added
+into the sum by the product itself (`WeightWork.to_hold`, `fold_into`), which may round otherwise. Under
+autocast (bfloat16, float16) a layer's product is taken in the compute
 dtype, which these parts do not reproduce, so only a float32 stage splits (`StageWorker`).
 """
 

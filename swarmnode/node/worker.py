@@ -16,8 +16,11 @@ microbatches come and go in the order the network's timing gives.
 
 A float32 stage splits each backward pass (`node.split_backward`): `backward` computes the gradient at the
 inputs, which the previous hop waits for, and leaves the linear layers' weight gradients pending; `weights`
-computes them when the compute thread has nothing more urgent, and a group's update computes whatever of its
-own is still pending first. The sums are the same to the bit.
+hands them to the group's sum when the compute thread has nothing more urgent (computed then, or, for a small
+microbatch, when its turn in the sum comes: `WeightWork.to_hold`), and a group's update first hands over
+whatever of its own is still pending. A large microbatch's sums are a whole pass's to the bit; a small one's
+may differ from autograd's accumulation in the last bits (its products are added into the sums by `addmm_`),
+and are the trainer's own (`swarmnode.trainer_passes`).
 """
 
 from __future__ import annotations
