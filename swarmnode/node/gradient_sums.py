@@ -106,6 +106,19 @@ class Folds(Protocol):
     def fold_into(self, sums: list[Tensor | None]) -> None: ...
 
 
+def add_into(sums: list[Tensor | None], grads: list[Tensor | None]) -> None:
+    """Add `grads` to `sums`, by parameter position (None: no gradient, or no sum yet: the gradient becomes
+    the sum)."""
+    for i, grad in enumerate(grads):
+        if grad is None:
+            continue
+        total = sums[i]
+        if total is None:
+            sums[i] = grad
+        else:
+            total.add_(grad)
+
+
 class _Computed:
     """A pass's gradients as computed (by parameter position; None: no gradient)."""
 
@@ -113,14 +126,7 @@ class _Computed:
         self._grads = grads
 
     def fold_into(self, sums: list[Tensor | None]) -> None:
-        for i, grad in enumerate(self._grads):
-            if grad is None:
-                continue
-            total = sums[i]
-            if total is None:
-                sums[i] = grad
-            else:
-                total.add_(grad)
+        add_into(sums, self._grads)
 
 
 class IndexOrderedSum:

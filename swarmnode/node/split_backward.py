@@ -2,17 +2,17 @@
 stage's inputs, which the previous stage waits for, then the gradients of its linear layers' weights, which
 only this stage's update needs and which can wait until the stage has nothing else to do.
 
-In a pipeline the backward passes travel from the last stage to the first; each stage's full pass lies on
-that path, although half of it (a linear layer's weight gradient, `grad_out^T @ input`, as much work as the
+In a pipeline the backward passes travel from the last stage to the first; each stage's full pass lies on that
+path, although half of it (a linear layer's weight gradient, `grad_out^T @ input`, as much work as the
 gradient at its input) is needed by nobody upstream. Split, the path carries only the first part; the second
 fills the bubbles. The first part asks autograd for the gradients at the inputs, at the parameters of every
 other kind (norms) and at each linear layer's output (recorded in the forward pass); autograd then skips the
-weight products, which the second part computes, one matrix product per layer, as autograd would: on a CPU
-in float32 they equal autograd's to the bit (`tests/test_split_backward.py`). Summed over microbatches, a
-large microbatch's products are written apart and added, as autograd accumulates, and a small one's added
-into the sum by the product itself (`WeightWork.to_hold`, `fold_into`), which may round otherwise. Under
-autocast (bfloat16, float16) a layer's product is taken in the compute
-dtype, which these parts do not reproduce, so only a float32 stage splits (`StageWorker`).
+weight products, which the second part computes, one matrix product per layer, as autograd would: on a CPU in
+float32 they equal autograd's to the bit (`tests/test_split_backward.py`). Summed over microbatches, a large
+microbatch's products are written apart and added, as autograd accumulates, and a small one's added into the
+sum by the product itself (`WeightWork.to_hold`, `fold_into`), which may round otherwise. Under autocast
+(bfloat16, float16) a layer's product is taken in the compute dtype, which these parts do not reproduce, so
+only a float32 stage splits (`StageWorker`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
+
+from swarmnode.node.gradient_sums import add_into
 
 Record = tuple[int, Tensor, Tensor]  # (the weight's position among the parameters, the layer's input, output)
 
@@ -56,13 +58,7 @@ class WeightWork:
         still missing computed into its sum as one matrix product with the sum added (`addmm_`), not
         written apart and added after: at a small microbatch the product's output, as large as the weight,
         costs more memory traffic than its arithmetic (`benchmarks/weight_gradients.py`)."""
-        for position, grad in enumerate(self.grads):
-            if grad is not None:
-                total = sums[position]
-                if total is None:
-                    sums[position] = grad
-                else:
-                    total.add_(grad)
+        add_into(sums, self.grads)
         for position, inputs, grad_out in self.linears:
             total = sums[position]
             if total is None:
