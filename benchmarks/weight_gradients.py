@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from swarmnode.model import build_stage
+from swarmnode.node.gradient_sums import add_into
 from swarmnode.node.split_backward import SplitBackward, WeightWork
 from swarmnode.presets import get_preset
 
@@ -57,14 +58,13 @@ def first_parts(
 
 def apart_then_added(works: list[WeightWork], sums: list[Tensor | None]) -> None:
     for work in works:
-        for position, grad in enumerate(work.grads):
-            if grad is not None:
-                total = sums[position]
-                sums[position] = grad if total is None else total.add_(grad)
+        add_into(sums, work.grads)
+        products: list[Tensor | None] = [None] * len(sums)
         for position, inputs, grad_out in work.linears:
-            product = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(inputs.reshape(-1, inputs.shape[-1]))
-            total = sums[position]
-            sums[position] = product if total is None else total.add_(product)
+            products[position] = (
+                grad_out.reshape(-1, grad_out.shape[-1]).t().mm(inputs.reshape(-1, inputs.shape[-1]))
+            )
+        add_into(sums, products)
 
 
 def into_the_sum(works: list[WeightWork], sums: list[Tensor | None]) -> None:
